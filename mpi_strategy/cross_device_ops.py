@@ -1,0 +1,147 @@
+"""What is reduced: the tf.distribute.CrossDeviceOps where TF values meet MPI.
+
+Every cross-replica reduction, gather and broadcast of MPIStrategy goes through
+``MPICrossDeviceOps``: values of this rank's local replicas are first combined
+locally, then once across ranks through the ordered MPI ops, then copied to
+the requested destination devices. Every rank gets the same result.
+"""
+
+import tensorflow as tf
+
+from mpi_strategy import _tf_internal
+from mpi_strategy import fusion
+from mpi_strategy.validation import resolve_comm
+from mpi_strategy.mpi_ops import OrderedComm
+
+ReduceOp = tf.distribute.ReduceOp
+
+
+class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
+    """Cross-replica communication over an mpi4py communicator.
+
+    ``reduce`` / ``batch_reduce`` give every rank the SUM (or MEAN) over all
+    replicas of all ranks; a ``batch_reduce`` of many dense tensors is one MPI
+    Allreduce per dtype. ``tf.IndexedSlices`` are all-gathered, not densified.
+    ``broadcast`` gives every rank the value of rank 0. A plain tensor (not a
+    ``DistributedValues``) counts as one value per rank.
+
+    Args:
+      comm: an mpi4py intracommunicator (default ``MPI.COMM_WORLD``).
+    """
+
+    def __init__(self, comm=None):
+        super().__init__()
+        self._mpi = OrderedComm(resolve_comm(comm))
+
+    @property
+    def comm(self):
+        """The mpi4py communicator the collectives run on."""
+        return self._mpi.comm
+
+    @property
+    def _num_between_graph_workers(self):
+        # TF skips reductions entirely when this is 1 and there is one replica.
+        return self._mpi.size
+
+    # -- reductions --------------------------------------------------------------
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations,
+                              options):
+        return self.batch_reduce_implementation(
+            reduce_op, [(per_replica_value, destinations)], options)[0]
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs,
+                                    options):
+        del options  # no implementation choices yet
+        reduced = self.all_reduce_values(
+            reduce_op, [value for value, _ in value_destination_pairs])
+        return [
+            _tf_internal.simple_broadcast(r, destinations)
+            for r, (_, destinations) in zip(reduced, value_destination_pairs)
+        ]
+
+    def all_reduce_values(self, reduce_op, values):
+        """Reduces each of ``values`` over all replicas of all ranks.
+
+        Returns one tensor (or ``IndexedSlices``) per value, on the host.
+        """
+        reduce_op = ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op
+        parts = [_local_values(v) for v in values]
+        dense = [i for i, p in enumerate(parts) if not _is_sparse(p[0])]
+        sparse = [i for i, p in enumerate(parts) if _is_sparse(p[0])]
+
+        results = [None] * len(values)
+        local_sums = [_local_sum(parts[i]) for i in dense]
+        for i, r in zip(dense, fusion.fused_allreduce(local_sums, self._mpi.allreduce_sum)):
+            results[i] = r
+        for i in sparse:
+            results[i] = self._allgather_indexed_slices(parts[i])
+
+        if reduce_op == ReduceOp.MEAN:
+            for i, p in enumerate(parts):
+                results[i] = _divide(results[i], len(p) * self._mpi.size)
+        elif reduce_op != ReduceOp.SUM:
+            raise ValueError(f"reduce_op must be SUM or MEAN, got {reduce_op}")
+        return results
+
+    def _allgather_indexed_slices(self, slices):
+        # Summing IndexedSlices = concatenating them: the rows for repeated
+        # indices are added when the slices are applied.
+        values = tf.concat([s.values for s in slices], axis=0)
+        indices = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0)
+        return tf.IndexedSlices(
+            values=self._mpi.allgather(values),
+            indices=tf.cast(self._mpi.allgather(indices), slices[0].indices.dtype),
+            dense_shape=slices[0].dense_shape)
+
+    # -- gather --------------------------------------------------------------
+    def _gather_implementation(self, per_replica_value, destinations, axis,
+                               options):
+        del options
+        gathered = self.all_gather_values(per_replica_value, axis)
+        return _tf_internal.simple_broadcast(gathered, destinations)
+
+    def all_gather_values(self, value, axis):
+        """Concatenation along ``axis`` of every replica's value, in replica order."""
+        local = tf.concat(_local_values(value), axis=axis)
+        rank = local.shape.rank
+        if rank is None:
+            raise ValueError("mpi_strategy: gather needs tensors of known rank.")
+        axis = axis % rank if rank else 0
+        if axis == 0:
+            return self._mpi.allgather(local)
+        perm = [axis] + [d for d in range(rank) if d != axis]
+        inverse = [perm.index(d) for d in range(rank)]
+        return tf.transpose(self._mpi.allgather(tf.transpose(local, perm)), inverse)
+
+    # -- broadcast -----------------------------------------------------------
+    def broadcast_implementation(self, tensor, destinations):
+        value = self._mpi.broadcast(tf.convert_to_tensor(tensor))
+        return _tf_internal.simple_broadcast(value, destinations, always_mirrored=True)
+
+    def broadcast_from_root(self, tensor):
+        """``tensor`` as rank 0 has it, on every rank (used for initial values)."""
+        return self._mpi.broadcast(tensor)
+
+
+def _local_values(value):
+    if isinstance(value, tf.distribute.DistributedValues):
+        return list(value.values)
+    return [value]
+
+
+def _is_sparse(value):
+    return isinstance(value, tf.IndexedSlices)
+
+
+def _local_sum(parts):
+    if len(parts) == 1:
+        return tf.convert_to_tensor(parts[0])
+    with tf.device(parts[0].device):
+        return tf.add_n(parts)
+
+
+def _divide(value, n):
+    # Same arithmetic as TF's own MEAN (so integer MEAN yields float64 as in TF).
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(value.values / n, value.indices, value.dense_shape)
+    return value / n

@@ -1,0 +1,240 @@
+"""MPIStrategy: TensorFlow's replica semantics across MPI ranks.
+
+Each rank runs the same program and drives ``len(devices)`` local replicas, as
+``tf.distribute.MirroredStrategy`` does in one process; ``MPIExtended`` makes
+the replica set global (``comm.size * len(devices)`` replicas with global ids),
+shards input by rank, starts every variable from rank 0's initial value, and
+routes every cross-replica reduction, gather and broadcast, including those
+MirroredStrategy keeps local (int32 values, reductions to the host, metrics),
+through ``MPICrossDeviceOps``.
+"""
+
+import tensorflow as tf
+from mpi4py import MPI
+
+from mpi_strategy import _tf_internal
+from mpi_strategy.cluster_resolver import MPIClusterResolver
+from mpi_strategy.cross_device_ops import MPICrossDeviceOps
+from mpi_strategy.validation import check_same_on_all_ranks, resolve_comm
+
+ReduceOp = tf.distribute.ReduceOp
+
+
+class MPIStrategy(tf.distribute.Strategy):
+    """Synchronous data-parallel training over MPI, with TensorFlow's own API.
+
+    Launch the same program on every rank (``mpiexec -n N python train.py``);
+    run without ``mpiexec`` it is a one-rank world. ``num_replicas_in_sync`` is
+    ``comm.size * len(devices)`` and every rank sees the result of every
+    cross-replica reduction, exactly as the N replicas of a
+    ``tf.distribute.MirroredStrategy`` in one process would.
+
+    Collectives are matched by order: every rank must run the same sequence of
+    reductions (same steps, same variables created in the same order).
+
+    Args:
+      comm: mpi4py intracommunicator over the ranks that train together
+        (default ``MPI.COMM_WORLD``).
+      devices: this rank's local devices (default: its share of the node's
+        GPUs, else the CPU). Every rank must have the same number.
+      communication_options: ``tf.distribute.experimental.CommunicationOptions``,
+        merged into the options of every collective.
+    """
+
+    # MirroredExtended reads this from its container strategy.
+    _collective_key_base = 0
+
+    def __init__(self, comm=None, devices=None, communication_options=None):
+        extended = MPIExtended(self, comm=comm, devices=devices,
+                               communication_options=communication_options)
+        super().__init__(extended)
+
+    def __repr__(self):
+        ext = self.extended
+        return (f"MPIStrategy(rank={ext.rank}, size={ext.comm.Get_size()}, "
+                f"devices={list(ext.worker_devices)})")
+
+
+class MPIExtended(_tf_internal.MirroredExtended):
+    """The MirroredStrategy machinery, made global across the ranks of ``comm``."""
+
+    def __init__(self, container_strategy, comm=None, devices=None,
+                 communication_options=None):
+        comm = resolve_comm(comm)
+        if communication_options is None:
+            communication_options = tf.distribute.experimental.CommunicationOptions()
+        # CommunicationOptions is a factory; the instances' class is private.
+        if not isinstance(communication_options,
+                          type(tf.distribute.experimental.CommunicationOptions())):
+            raise TypeError(
+                "mpi_strategy: communication_options must be a "
+                "tf.distribute.experimental.CommunicationOptions, got "
+                f"{type(communication_options).__name__}.")
+        self._comm = comm
+        self._rank = comm.Get_rank()
+        self._num_ranks = comm.Get_size()
+        devices = list(devices) if devices else default_devices(comm)
+        check_same_on_all_ranks(comm, len(devices), "number of devices per rank")
+        super().__init__(container_strategy, devices=devices,
+                         cross_device_ops=MPICrossDeviceOps(comm))
+        # MirroredExtended defaults these to NCCL / single-process values.
+        self._communication_options = communication_options
+        self.experimental_enable_get_next_as_optional = True
+        self._cluster_resolver = MPIClusterResolver(
+            comm, {_device_type(self._devices[0]): len(self._devices)})
+
+    def _initialize_strategy(self, devices):
+        # MirroredExtended would also build TF collective ops for the local
+        # devices; every collective here is MPI, so only the devices are set up.
+        devices = tuple(tf.DeviceSpec.from_string(d).to_string() for d in devices)
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"mpi_strategy: duplicate devices in {devices}.")
+        self._initialize_single_worker(devices)
+
+    # -- identity of this rank ---------------------------------------------------
+    @property
+    def comm(self):
+        """The mpi4py communicator of this strategy."""
+        return self._comm
+
+    @property
+    def rank(self):
+        return self._rank
+
+    @property
+    def _num_replicas_in_sync(self):
+        return len(self._devices) * self._num_ranks
+
+    def _get_replica_id_in_sync_group(self, replica_id):
+        return self._rank * len(self._devices) + replica_id
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return replica_id_in_sync_group - self._rank * len(self._devices)
+
+    def _in_multi_worker_mode(self):
+        # Makes the distributed iterator agree across ranks on the end of data.
+        return self._num_ranks > 1
+
+    @property
+    def experimental_between_graph(self):
+        return True
+
+    @property
+    def should_checkpoint(self):
+        return self._rank == 0
+
+    @property
+    def should_save_summary(self):
+        return self._rank == 0
+
+    # -- communication: always MPI ---------------------------------------------
+    def _use_merge_call(self):
+        return True  # XLA cannot compile MPI ops, so there is no merge-free path
+
+    def _get_cross_device_ops(self, value):
+        del value
+        return self._cross_device_ops
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if _tf_internal.is_mirrored(value) and reduce_op == ReduceOp.MEAN:
+            return value  # already identical on every replica of every rank
+        return self._cross_device_ops.reduce(
+            reduce_op, value, destinations=destinations,
+            options=self._communication_options.merge(options))
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        return self._cross_device_ops.batch_reduce(
+            reduce_op, value_destination_pairs,
+            options=self._communication_options.merge(options))
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        return self._cross_device_ops._gather(  # pylint: disable=protected-access
+            value, destinations=destinations, axis=axis,
+            options=self._communication_options.merge(options))
+
+    # -- variables start equal on every rank -------------------------------------
+    def _get_variable_creator_initial_value(self, replica_id, device, primary_var,
+                                            **kwargs):
+        if replica_id != 0 or self._num_ranks == 1:
+            # Other local replicas copy the first one, as in MirroredStrategy.
+            return super()._get_variable_creator_initial_value(
+                replica_id, device, primary_var, **kwargs)
+        initial_value = kwargs["initial_value"]
+        dtype = kwargs.get("dtype")
+
+        def initial_value_of_rank_0():
+            with tf.device(device):
+                value = initial_value() if callable(initial_value) else initial_value
+                # Restore-on-create wraps the value; the broadcast needs the tensor.
+                value = getattr(value, "wrapped_value", value)
+                value = tf.convert_to_tensor(value, dtype=dtype)
+                return tf.identity(self._cross_device_ops.broadcast_from_root(value))
+
+        return initial_value_of_rank_0
+
+    # -- input: each rank reads its own shard -------------------------------------
+    def _make_input_context(self):
+        return tf.distribute.InputContext(
+            num_input_pipelines=self._num_ranks,
+            input_pipeline_id=self._rank,
+            num_replicas_in_sync=self._num_replicas_in_sync)
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        _reject_per_replica_mode(options)
+        return _tf_internal.get_distributed_dataset(
+            dataset,
+            self._input_workers_with_options(options),
+            self._container_strategy(),
+            num_replicas_in_sync=self._num_replicas_in_sync,
+            input_context=self._make_input_context(),
+            options=options)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        _reject_per_replica_mode(options)
+        return _tf_internal.get_distributed_datasets_from_function(
+            dataset_fn,
+            self._input_workers_with_options(options),
+            [self._make_input_context()],
+            self._container_strategy(),
+            options=options)
+
+    def _experimental_distribute_values_from_function(self, value_fn):
+        values = [
+            value_fn(tf.distribute.experimental.ValueContext(
+                self._get_replica_id_in_sync_group(i), self._num_replicas_in_sync))
+            for i in range(len(self._devices))
+        ]
+        return _tf_internal.regroup(values, always_wrap=True)
+
+
+def default_devices(comm):
+    """This rank's devices: its share of the node's GPUs, else the CPU.
+
+    With one rank per node that is every GPU (as MirroredStrategy); with
+    several ranks on a node the GPUs are split evenly between them.
+    """
+    gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
+    if not gpus:
+        return ["/device:CPU:0"]
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        local_rank, local_size = node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+    if local_size == 1:
+        return gpus
+    per_rank = max(1, len(gpus) // local_size)
+    start = (local_rank * per_rank) % len(gpus)
+    return gpus[start:start + per_rank]
+
+
+def _device_type(device):
+    return tf.DeviceSpec.from_string(device).device_type or "CPU"
+
+
+def _reject_per_replica_mode(options):
+    if (options is not None and options.experimental_replication_mode
+            == tf.distribute.InputReplicationMode.PER_REPLICA):
+        raise NotImplementedError(
+            "mpi_strategy: InputReplicationMode.PER_REPLICA is not supported; "
+            "use the default PER_WORKER mode (one input pipeline per rank).")

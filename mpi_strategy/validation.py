@@ -1,0 +1,52 @@
+"""Checks of user input and of the MPI environment, with errors that say what to do.
+
+Checks that need other ranks' answers (``check_same_on_all_ranks``) reach the
+same verdict on every rank, so every rank raises the same error instead of
+one rank raising while the others wait in the next collective.
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from mpi_strategy.errors import MPIStrategyError
+
+
+def resolve_comm(comm):
+    """``comm`` checked to be an mpi4py intracommunicator (default COMM_WORLD)."""
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
+        raise ValueError(
+            "mpi_strategy: comm is MPI.COMM_NULL. A rank that is not part of a "
+            "sub-communicator must not build a strategy on it.")
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(
+            "mpi_strategy: comm must be an mpi4py intracommunicator such as "
+            "mpi4py.MPI.COMM_WORLD or the result of COMM_WORLD.Split(...); got "
+            f"{type(comm).__module__}.{type(comm).__qualname__}.")
+    check_thread_level()
+    return comm
+
+
+def check_thread_level():
+    """MPI is called from TensorFlow's worker threads, so it must allow that."""
+    provided = MPI.Query_thread()
+    if provided < MPI.THREAD_SERIALIZED:
+        names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED"}
+        raise MPIStrategyError(
+            f"mpi_strategy: MPI was initialized with {names.get(provided, provided)}, "
+            "but TensorFlow runs collectives on its own threads, which needs at "
+            "least MPI_THREAD_SERIALIZED (MPI_THREAD_MULTIPLE recommended). Do "
+            "not set mpi4py.rc.thread_level to 'single'/'funneled', and do not "
+            "call MPI_Init yourself before importing mpi4py.")
+
+
+def check_same_on_all_ranks(comm, value, what):
+    """Raises on every rank unless the integer ``value`` is equal on all ranks."""
+    mine = np.array([value], np.int64)
+    everyone = np.empty(comm.Get_size(), np.int64)
+    comm.Allgather(mine, everyone)
+    if np.any(everyone != everyone[0]):
+        raise MPIStrategyError(
+            f"mpi_strategy: {what} differs between ranks ({everyone.tolist()} by "
+            f"rank). Every rank must use the same {what}.")

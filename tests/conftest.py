@@ -1,0 +1,33 @@
+"""Test setup shared by the 1-rank run and the ranks of every mpiexec launch.
+
+Each process gets ``world size x local devices`` logical CPU devices, so the
+reference ``tf.distribute.MirroredStrategy`` over all of them has exactly as
+many replicas as the ``MPIStrategy`` under test has across ranks.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+LOCAL_DEVICES = int(os.environ.get("MPI_STRATEGY_TEST_LOCAL_DEVICES", "1"))
+WORLD = MPI.COMM_WORLD
+
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0],
+    [tf.config.LogicalDeviceConfiguration()] * (WORLD.Get_size() * LOCAL_DEVICES))
+tf.config.threading.set_intra_op_parallelism_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    # Under mpiexec every rank must run the same tests in the same order.
+    if WORLD.Get_size() > 1:
+        items[:] = [i for i in items if "single_process" not in i.keywords]
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "single_process: runs only outside mpiexec (e.g. launches mpiexec itself)")

@@ -1,0 +1,49 @@
+"""Helpers for tests that are correct at any world size."""
+
+import numpy as np
+import tensorflow as tf
+from mpi4py import MPI
+
+from conftest import LOCAL_DEVICES, WORLD
+
+import mpi_strategy
+
+RANK = WORLD.Get_rank()
+SIZE = WORLD.Get_size()
+NUM_REPLICAS = SIZE * LOCAL_DEVICES
+
+
+def local_devices():
+    return [f"/device:CPU:{i}" for i in range(LOCAL_DEVICES)]
+
+
+def mpi_strategy_under_test(comm=None):
+    return mpi_strategy.MPIStrategy(comm=comm, devices=local_devices())
+
+
+def reference_strategy():
+    """MirroredStrategy over as many replicas as MPIStrategy has across ranks."""
+    return tf.distribute.MirroredStrategy(
+        [f"/device:CPU:{i}" for i in range(NUM_REPLICAS)],
+        cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+
+def gather_from_all_ranks(array):
+    """Every rank's ``array`` (same shape on all ranks), stacked in rank order."""
+    array = np.ascontiguousarray(array)
+    out = np.empty((SIZE,) + array.shape, array.dtype)
+    WORLD.Allgather(array, out)
+    return out
+
+
+def assert_same_on_all_ranks(array, what="value"):
+    array = np.asarray(array)
+    everyone = gather_from_all_ranks(array)
+    for r in range(SIZE):
+        np.testing.assert_array_equal(
+            everyone[r], everyone[0], err_msg=f"{what} on rank {r} differs from rank 0")
+
+
+def all_ranks_agree(ok):
+    """True on every rank iff ``ok`` on every rank (so all ranks fail together)."""
+    return bool(WORLD.allreduce(bool(ok), op=MPI.LAND))

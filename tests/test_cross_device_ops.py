@@ -1,0 +1,69 @@
+"""mpi_strategy.cross_device_ops: what is reduced, and with how many MPI calls."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from mpi_testing import NUM_REPLICAS, RANK, SIZE, WORLD, mpi_strategy_under_test
+from mpi_strategy import MPICrossDeviceOps
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return mpi_strategy_under_test()
+
+
+def _mpi_op_counts(concrete_function):
+    counts = {}
+    for op in concrete_function.graph.get_operations():
+        if op.type == "PyFunc":  # a stateful tf.numpy_function
+            name = op.name.split("/")[-1].rstrip("_0123456789")
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def test_batch_reduce_is_one_allreduce_per_dtype(strategy):
+    if SIZE == 1:
+        pytest.skip("a 1-rank world issues no MPI call")
+
+    @tf.function
+    def step():
+        def fn():
+            r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+            grads = [tf.fill([3, 4], r), tf.fill([7], r), tf.fill([], r),
+                     tf.cast(tf.fill([2], r), tf.float64), tf.fill([5, 1], r)]
+            return tf.distribute.get_replica_context().all_reduce("SUM", grads)
+        return strategy.experimental_local_results(strategy.run(fn))[0]
+
+    concrete = step.get_concrete_function()
+    counts = _mpi_op_counts(concrete)
+    assert counts == {"MPIAllreduce": 2}, counts  # float32 and float64
+    out = step()
+    total = NUM_REPLICAS * (NUM_REPLICAS - 1) / 2
+    for t in out:
+        np.testing.assert_array_equal(t.numpy(), np.full(t.shape, total))
+
+
+def test_communicator_and_worker_count():
+    ops = MPICrossDeviceOps()
+    assert ops.comm.Get_size() == SIZE
+    assert ops._num_between_graph_workers == SIZE
+
+
+def test_plain_tensor_counts_as_one_value_per_rank(strategy):
+    # Outside strategy.run, a plain tensor is this rank's value.
+    total = strategy.extended.reduce_to("SUM", tf.constant(float(RANK + 1)), "/device:CPU:0")
+    mean = strategy.extended.reduce_to("MEAN", tf.constant(float(RANK + 1)), "/device:CPU:0")
+    assert float(total) == SIZE * (SIZE + 1) / 2
+    assert float(mean) == pytest.approx((SIZE + 1) / 2)
+
+
+def test_mpi_ops_land_on_requested_destinations(strategy):
+    per_replica = strategy.run(lambda: tf.constant(1.0))
+    devices = strategy.extended.worker_devices
+    mirrored = strategy.extended.reduce_to("SUM", per_replica, per_replica)
+    locals_ = strategy.experimental_local_results(mirrored)
+    assert len(locals_) == len(devices)
+    for value, device in zip(locals_, devices):
+        assert value.device == device
+        assert float(value) == NUM_REPLICAS

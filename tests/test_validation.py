@@ -1,0 +1,59 @@
+"""mpi_strategy.validation: misuse is reported clearly, on every rank."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpi_testing import RANK, SIZE, WORLD
+from mpi_strategy.errors import MPIStrategyError
+from mpi_strategy.validation import check_same_on_all_ranks, resolve_comm
+
+
+def test_resolve_comm_defaults_to_world_and_rejects_others():
+    assert resolve_comm(None) is MPI.COMM_WORLD
+    with pytest.raises(TypeError, match="intracommunicator"):
+        resolve_comm(object())
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        resolve_comm(MPI.COMM_NULL)
+
+
+def test_check_same_on_all_ranks_raises_everywhere_on_disagreement():
+    check_same_on_all_ranks(WORLD, 7, "thing")
+    if SIZE == 1:
+        return
+    with pytest.raises(MPIStrategyError, match=r"number of devices per rank differs between ranks"):
+        check_same_on_all_ranks(WORLD, RANK, "number of devices per rank")
+
+
+@pytest.mark.single_process
+def test_unequal_devices_per_rank_is_an_error_on_every_rank(tmp_path):
+    from launch import run_mpiexec
+    script = tmp_path / "unequal.py"
+    script.write_text(
+        "import tensorflow as tf\n"
+        "tf.config.set_logical_device_configuration(tf.config.list_physical_devices('CPU')[0],"
+        " [tf.config.LogicalDeviceConfiguration()] * 2)\n"
+        "from mpi4py import MPI\n"
+        "import mpi_strategy\n"
+        "r = MPI.COMM_WORLD.rank\n"
+        "try:\n"
+        "    mpi_strategy.MPIStrategy(devices=['/cpu:0', '/cpu:1'][: r + 1])\n"
+        "except mpi_strategy.MPIStrategyError as e:\n"
+        "    print('rank', r, 'raised:', e, flush=True)\n")
+    code, out = run_mpiexec(2, [sys.executable, str(script)], timeout=120)
+    assert code == 0, out
+    assert out.count("number of devices per rank differs between ranks ([1, 2] by rank)") == 2, out
+
+
+@pytest.mark.single_process
+def test_too_little_thread_support_is_explained():
+    code = (
+        "import mpi4py; mpi4py.rc.thread_level = 'funneled'\n"
+        "import mpi_strategy\n"
+        "mpi_strategy.MPIStrategy()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "MPI_THREAD_FUNNELED" in proc.stderr and "MPI_THREAD_SERIALIZED" in proc.stderr, proc.stderr
