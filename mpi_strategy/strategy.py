@@ -136,11 +136,18 @@ class MPIExtended(_tf_internal.MirroredExtended):
         return self._cross_device_ops
 
     def _reduce_to(self, reduce_op, value, destinations, options):
-        if _tf_internal.is_mirrored(value) and reduce_op == ReduceOp.MEAN:
-            return value  # already identical on every replica of every rank
-        return self._cross_device_ops.reduce(
-            reduce_op, value, destinations=destinations,
-            options=self._communication_options.merge(options))
+        # `value` may be a nested structure (Keras reduces whole batches):
+        # all of its leaves go into one batch reduction.
+        leaves = tf.nest.flatten(value)
+        to_reduce = [i for i, leaf in enumerate(leaves)
+                     if not (reduce_op == ReduceOp.MEAN and _tf_internal.is_mirrored(leaf))]
+        if to_reduce:  # (a mirrored MEAN is already the same on every replica)
+            reduced = self._cross_device_ops.batch_reduce(
+                reduce_op, [(leaves[i], destinations) for i in to_reduce],
+                options=self._communication_options.merge(options))
+            for i, r in zip(to_reduce, reduced):
+                leaves[i] = r
+        return tf.nest.pack_sequence_as(value, leaves)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         return self._cross_device_ops.batch_reduce(

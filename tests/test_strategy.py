@@ -113,6 +113,23 @@ def test_nested_structures_and_replica_all_reduce(strategy, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_strategy_reduce_of_a_nested_batch(strategy, mirrored, mode):
+    # Keras reduces whole (x, y) batches this way when it builds a model.
+    def step(s):
+        per_replica = s.run(lambda: (tf.fill([2], tf.cast(replica_id(), tf.float32)),
+                                     {"y": tf.cast(replica_id(), tf.int64) + 1}))
+        return s.reduce("MEAN", per_replica, axis=None), s.reduce("SUM", per_replica, axis=None)
+
+    got = in_mode(lambda: step(strategy), mode)()
+    want = in_mode(lambda: step(mirrored), mode)()
+    tf.nest.assert_same_structure(got, want)
+    for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6)
+    assert float(got[1][1]["y"]) == NUM_REPLICAS * (NUM_REPLICAS + 1) / 2
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_replica_all_gather_and_strategy_gather(strategy, mode):
     def fn():
         r = replica_id()
