@@ -28,6 +28,16 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [i for i in items if "single_process" not in i.keywords]
 
 
+def pytest_sessionfinish(session, exitstatus):
+    # Under test_under_mpiexec.py, every rank reports how its run ended.
+    report_dir = os.environ.get("MPI_STRATEGY_TEST_REPORT_DIR")
+    if report_dir:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        passed = len(reporter.stats.get("passed", [])) if reporter else -1
+        with open(os.path.join(report_dir, f"rank{WORLD.Get_rank()}.txt"), "w") as f:
+            f.write(f"{int(exitstatus)} {passed} {session.testscollected}\n")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "single_process: runs only outside mpiexec (e.g. launches mpiexec itself)")
