@@ -13,8 +13,10 @@ Launch with ``mpiexec -n N python train.py``. Data path: user step ->
 from mpi_strategy.cluster_resolver import MPIClusterResolver
 from mpi_strategy.cross_device_ops import MPICrossDeviceOps
 from mpi_strategy.errors import MPIStrategyError
+from mpi_strategy.saving import only_chief_writes
 from mpi_strategy.strategy import MPIStrategy
 
 __version__ = "0.1.0"
 
-__all__ = ["MPIStrategy", "MPICrossDeviceOps", "MPIClusterResolver", "MPIStrategyError"]
+__all__ = ["MPIStrategy", "MPICrossDeviceOps", "MPIClusterResolver", "MPIStrategyError",
+           "only_chief_writes"]

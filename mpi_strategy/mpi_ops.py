@@ -72,6 +72,11 @@ class OrderedComm:
         comm = self.comm
 
         def allreduce(array):
+            _check_same_on_all_ranks(
+                comm, array.size, f"allreduce of {array.size} elements (shape {array.shape})",
+                "Element-wise reductions need tensors of one shape on every rank; "
+                "per-replica batches of different sizes can only be reduced along an "
+                "axis (strategy.reduce(..., axis=0)) or gathered.")
             out = np.empty_like(array)
             comm.Allreduce(array, out, op=MPI.SUM)
             return (out,)
@@ -126,19 +131,14 @@ class OrderedComm:
         _check_not_xla("broadcast")
         if self.size == 1:
             return tf.identity(x)
-        comm, size = self.comm, self.size
+        comm = self.comm
 
         def bcast(array):
-            nbytes = np.array([array.nbytes], np.int64)
-            all_nbytes = np.empty(size, np.int64)
-            comm.Allgather(nbytes, all_nbytes)
-            if np.any(all_nbytes != all_nbytes[root]):
-                raise MPIStrategyError(
-                    "mpi_strategy: broadcast of tensors with different sizes "
-                    f"(bytes by rank: {all_nbytes.tolist()}; this is rank "
-                    f"{comm.Get_rank()} with shape {array.shape}, dtype {array.dtype}). "
-                    "All ranks must create the same variables in the same order "
-                    "with the same shapes.")
+            _check_same_on_all_ranks(
+                comm, array.nbytes,
+                f"broadcast of {array.nbytes} bytes (shape {array.shape}, dtype {array.dtype})",
+                "All ranks must create the same variables, in the same order, with "
+                "the same shapes (build the model identically on every rank).")
             out = np.array(array, copy=True, order="C")
             comm.Bcast([_bytes(out), MPI.BYTE], root=root)
             return (out,)
@@ -146,6 +146,20 @@ class OrderedComm:
         (out,) = self._ordered_call("MPIBroadcast", bcast, [x], [x.dtype])
         out.set_shape(x.shape)
         return out
+
+
+def _check_same_on_all_ranks(comm, value, what, advice):
+    """Raises the same error on every rank unless ``value`` agrees on all ranks.
+
+    Costs one small Allgather; it turns a mismatch that MPI would report as
+    "Message truncated" (or not at all) into an error that names the sizes.
+    """
+    everyone = np.empty(comm.Get_size(), np.int64)
+    comm.Allgather(np.array([value], np.int64), everyone)
+    if np.any(everyone != everyone[0]):
+        raise MPIStrategyError(
+            f"mpi_strategy: ranks disagree in an MPI collective. Rank {comm.Get_rank()}: "
+            f"{what}; sizes by rank: {everyone.tolist()}. {advice}")
 
 
 def _check_not_xla(name):

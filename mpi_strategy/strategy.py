@@ -12,7 +12,7 @@ through ``MPICrossDeviceOps``.
 import tensorflow as tf
 from mpi4py import MPI
 
-from mpi_strategy import _tf_internal
+from mpi_strategy import _keras_internal, _tf_internal
 from mpi_strategy.cluster_resolver import MPIClusterResolver
 from mpi_strategy.cross_device_ops import MPICrossDeviceOps
 from mpi_strategy.validation import check_same_on_all_ranks, resolve_comm
@@ -48,6 +48,13 @@ class MPIStrategy(tf.distribute.Strategy):
         extended = MPIExtended(self, comm=comm, devices=devices,
                                communication_options=communication_options)
         super().__init__(extended)
+        _keras_internal.install_for_imported_kerases(MPIStrategy)
+
+    def scope(self):
+        """As ``tf.distribute.Strategy.scope``; also adapts Keras imported since
+        construction (predict rows from all ranks, rank-0-only output)."""
+        _keras_internal.install_for_imported_kerases(MPIStrategy)
+        return super().scope()
 
     def __repr__(self):
         ext = self.extended
@@ -82,6 +89,9 @@ class MPIExtended(_tf_internal.MirroredExtended):
         self.experimental_enable_get_next_as_optional = True
         self._cluster_resolver = MPIClusterResolver(
             comm, {_device_type(self._devices[0]): len(self._devices)})
+        # Read by tf_keras (as from MultiWorkerMirroredStrategy) to name the
+        # scratch directories where non-chief ranks write checkpoints.
+        self._task_type, self._task_id = "worker", self._rank
 
     def _initialize_strategy(self, devices):
         # MirroredExtended would also build TF collective ops for the local

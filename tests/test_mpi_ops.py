@@ -1,5 +1,6 @@
 """mpi_strategy.mpi_ops: ordered MPI collectives as TF ops, at any world size."""
 
+import re
 import time
 
 import numpy as np
@@ -65,8 +66,22 @@ def test_broadcast_takes_rank0_value(mpi):
 def test_broadcast_size_mismatch_raises_on_every_rank(mpi):
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
-    with pytest.raises((MPIStrategyError, tf.errors.OpError), match="different sizes"):
+    with pytest.raises((MPIStrategyError, tf.errors.OpError),
+                       match=r"ranks disagree .* broadcast of \d+ bytes"):
         mpi.broadcast(tf.zeros([RANK + 1]))
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+def test_allreduce_shape_mismatch_raises_on_every_rank(mpi, in_function):
+    if SIZE == 1:
+        pytest.skip("needs two ranks to disagree")
+    fn = tf.function(mpi.allreduce_sum) if in_function else mpi.allreduce_sum
+    expected = [2 + r for r in range(SIZE)]
+    with pytest.raises((MPIStrategyError, tf.errors.OpError),
+                       match=rf"allreduce of {2 + RANK} elements .* by rank: {re.escape(str(expected))}"):
+        fn(tf.zeros([2 + RANK]))
+    # The communicator is still usable afterwards.
+    assert float(mpi.allreduce_sum(tf.constant(1.0))) == SIZE
 
 
 def _rank_dependent_delay(x, seconds):

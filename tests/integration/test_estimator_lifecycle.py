@@ -1,0 +1,84 @@
+"""The Estimator-style lifecycle end to end under mpiexec -n 1, 2 and 3.
+
+Each world size trains examples/estimator_style.py to step 6 (checkpoints at
+3 and 6), is relaunched from its last checkpoint and trains to step 10, one of
+them with a different number of ranks (2 -> 3); each evaluates and exports.
+The final evaluation must agree across world sizes (same global batch), and
+every export must serve in a plain Python process that imports neither MPI
+nor mpi_strategy.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from launch import run_mpiexec
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(REPO, "examples", "estimator_style.py")
+
+SERVE = r"""
+import json, sys
+import numpy as np
+import tensorflow as tf
+held_out = np.load(sys.argv[1])
+features, labels = held_out["features"], held_out["labels"]
+out = {}
+for path in sys.argv[2:]:
+    served = tf.saved_model.load(path)  # keep a reference: it owns the variables
+    logits = served.serve(tf.constant(features)).numpy()
+    out[path] = float(np.mean(np.argmax(logits, axis=1) == labels))
+assert "mpi4py" not in sys.modules and "mpi_strategy" not in sys.modules, sorted(sys.modules)
+print(json.dumps(out))
+"""
+
+
+def launch(ranks, model_dir, steps):
+    code, out = run_mpiexec(ranks, [sys.executable, EXAMPLE, "--model-dir", model_dir,
+                                    "--train-steps", str(steps), "--checkpoint-every", "3"],
+                            timeout=240, cwd=REPO)
+    assert code == 0, out[-10000:]
+    lines = [line for line in out.splitlines() if line.lstrip("[0] ").startswith("{")]
+    assert len(lines) == 1, f"expected one result line from rank 0:\n{out[-5000:]}"
+    # stderr shares the pipe: decode the JSON object and ignore what follows it.
+    return json.JSONDecoder().raw_decode(lines[0][lines[0].index("{"):])[0]
+
+
+@pytest.mark.single_process
+def test_train_checkpoint_resume_evaluate_export_serve(tmp_path):
+    plans = {"1": (1, 1), "2-then-3": (2, 3), "3": (3, 3)}
+    finals = {}
+    for name, (first, second) in plans.items():
+        model_dir = str(tmp_path / name)
+        early = launch(first, model_dir, steps=6)
+        assert early["resumed_from_step"] == 0 and early["ranks"] == first
+        checkpoints = sorted(os.listdir(os.path.join(model_dir, "checkpoints")))
+        assert "ckpt-3.index" in checkpoints and "ckpt-6.index" in checkpoints, checkpoints
+        finals[name] = launch(second, model_dir, steps=10)
+        assert finals[name]["resumed_from_step"] == 6 and finals[name]["ranks"] == second
+
+    reference = finals["1"]
+    assert reference["eval_accuracy"] > 0.7  # it learned something
+    for name, result in finals.items():
+        for key in ("eval_loss", "eval_accuracy", "last_train_loss"):
+            np.testing.assert_allclose(result[key], reference[key], rtol=1e-4, err_msg=f"{name} {key}")
+
+    sys.path.insert(0, os.path.dirname(EXAMPLE))
+    try:
+        from estimator_style import make_data
+    finally:
+        sys.path.pop(0)
+    held_out = str(tmp_path / "held_out.npz")
+    features, labels = make_data(300, seed=2)  # the example's evaluation data
+    np.savez(held_out, features=features, labels=labels)
+    exports = [str(tmp_path / name / "export") for name in plans]
+    served = subprocess.run([sys.executable, "-c", SERVE, held_out, *exports],
+                            capture_output=True, text=True, timeout=240)
+    assert served.returncode == 0, served.stderr[-5000:]
+    accuracies = json.loads(served.stdout.strip().splitlines()[-1])
+    for path, accuracy in accuracies.items():
+        assert accuracy == pytest.approx(reference["eval_accuracy"], abs=1e-6), path
