@@ -15,6 +15,7 @@ from mpi4py import MPI
 from mpi_strategy import _keras_internal, _tf_internal
 from mpi_strategy.cluster_resolver import MPIClusterResolver
 from mpi_strategy.cross_device_ops import MPICrossDeviceOps
+from mpi_strategy.failure import abort_job_on_uncaught_exception
 from mpi_strategy.validation import check_same_on_all_ranks, resolve_comm
 
 ReduceOp = tf.distribute.ReduceOp
@@ -77,6 +78,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
                 "mpi_strategy: communication_options must be a "
                 "tf.distribute.experimental.CommunicationOptions, got "
                 f"{type(communication_options).__name__}.")
+        abort_job_on_uncaught_exception(comm)
         self._comm = comm
         self._rank = comm.Get_rank()
         self._num_ranks = comm.Get_size()

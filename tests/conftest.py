@@ -28,7 +28,11 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [i for i in items if "single_process" not in i.keywords]
 
 
+_exit_status = [0]
+
+
 def pytest_sessionfinish(session, exitstatus):
+    _exit_status[0] = int(exitstatus)
     # Under test_under_mpiexec.py, every rank reports how its run ended.
     report_dir = os.environ.get("MPI_STRATEGY_TEST_REPORT_DIR")
     if report_dir:
@@ -36,6 +40,16 @@ def pytest_sessionfinish(session, exitstatus):
         passed = len(reporter.stats.get("passed", [])) if reporter else -1
         with open(os.path.join(report_dir, f"rank{WORLD.Get_rank()}.txt"), "w") as f:
             f.write(f"{int(exitstatus)} {passed} {session.testscollected}\n")
+
+
+def pytest_unconfigure(config):
+    # A rank whose tests failed ends the whole job: the other ranks may be
+    # waiting in a collective of a test this rank never reached.
+    if _exit_status[0] not in (0, 5) and WORLD.Get_size() > 1:
+        import sys
+        sys.stdout.flush()
+        sys.stderr.flush()
+        WORLD.Abort(_exit_status[0])
 
 
 def pytest_configure(config):

@@ -47,3 +47,18 @@ def assert_same_on_all_ranks(array, what="value"):
 def all_ranks_agree(ok):
     """True on every rank iff ``ok`` on every rank (so all ranks fail together)."""
     return bool(WORLD.allreduce(bool(ok), op=MPI.LAND))
+
+
+def computed_on_rank0(fn):
+    """``fn()`` evaluated once, on rank 0, and handed to every rank.
+
+    For reference results that every rank would otherwise compute alike: the
+    other ranks sleep meanwhile instead of competing for the cores (a plain
+    MPI wait would spin).
+    """
+    import time
+    result = fn() if RANK == 0 else None
+    request = WORLD.Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
+    return WORLD.bcast(result, root=0)

@@ -91,3 +91,47 @@ def test_only_chief_writes_scratch_is_removed(shared_dir):
         assert f.read() == "0"  # every rank sees rank 0's file after the block
     if RANK != 0:
         assert not os.path.exists(scratch)
+
+
+KEEP_SAVING = r"""
+import sys, time
+import numpy as np
+import tensorflow as tf
+variable = tf.Variable(np.zeros([4_000_000], np.float32))  # 16 MB per checkpoint
+manager = tf.train.CheckpointManager(tf.train.Checkpoint(v=variable), sys.argv[1], max_to_keep=2)
+step = 0
+while True:
+    step += 1
+    variable.assign(tf.fill([4_000_000], float(step)))
+    manager.save(checkpoint_number=step)
+    print(step, flush=True)
+"""
+
+
+@pytest.mark.single_process
+def test_a_kill_during_checkpoint_writes_leaves_the_latest_checkpoint_usable(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    killed_mid_write = 0
+    for attempt in range(4):
+        directory = str(tmp_path / f"ckpt{attempt}")
+        child = subprocess.Popen([sys.executable, "-c", KEEP_SAVING, directory],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert child.stdout.readline().strip() == "1"
+        time.sleep(1.0 + 0.37 * attempt)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        # A "<name>_temp" directory is a save that the kill interrupted.
+        killed_mid_write += any(name.endswith("_temp") for name in os.listdir(directory))
+
+        latest = tf.train.latest_checkpoint(directory)
+        number = int(latest.rsplit("-", 1)[1])
+        restored = tf.Variable(np.zeros([4_000_000], np.float32))
+        tf.train.Checkpoint(v=restored).restore(latest).assert_existing_objects_matched()
+        np.testing.assert_array_equal(restored.numpy()[[0, -1]], [number, number])
+        if killed_mid_write:
+            break
+    assert killed_mid_write, "no kill landed inside a checkpoint write in 4 attempts"

@@ -1,0 +1,38 @@
+"""A rank that dies must take the job with it, not leave the others waiting.
+
+MPI collectives wait for every rank. A Python exception that ends one rank's
+program would leave the other ranks blocked in their next collective until the
+batch system's time limit. Once an MPIStrategy spans several processes, an
+uncaught exception prints its traceback tagged with the rank and aborts the
+whole MPI job (as ``python -m mpi4py`` does), so it fails in seconds.
+"""
+
+import sys
+import threading
+
+from mpi4py import MPI
+
+_installed = threading.Lock()
+_state = {"hook": None}
+
+
+def abort_job_on_uncaught_exception(comm):
+    """Installs (once per process) the excepthook that aborts the MPI job."""
+    if comm.Get_size() == 1:
+        return
+    with _installed:
+        if _state["hook"] is not None:
+            return
+        previous = sys.excepthook
+
+        def excepthook(exc_type, exc, tb):
+            rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+            sys.stderr.write(f"mpi_strategy: uncaught exception on rank {rank} of {size}; "
+                             "aborting the MPI job so that no rank waits for it.\n")
+            previous(exc_type, exc, tb)
+            sys.stderr.flush()
+            sys.stdout.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+        _state["hook"] = excepthook
+        sys.excepthook = excepthook
