@@ -9,6 +9,8 @@ whole MPI job (as ``python -m mpi4py`` does), so it fails in seconds.
 
 import sys
 import threading
+import time
+import traceback
 
 from mpi4py import MPI
 
@@ -27,11 +29,17 @@ def abort_job_on_uncaught_exception(comm):
 
         def excepthook(exc_type, exc, tb):
             rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-            sys.stderr.write(f"mpi_strategy: uncaught exception on rank {rank} of {size}; "
-                             "aborting the MPI job so that no rank waits for it.\n")
-            previous(exc_type, exc, tb)
+            if previous is not sys.__excepthook__:
+                previous(exc_type, exc, tb)  # a hook the program installed itself
+            # One write, so that launchers that tag lines with the rank keep it whole.
+            summary = "".join(traceback.format_exception_only(exc_type, exc)).strip()
+            sys.stderr.write(
+                f"mpi_strategy: uncaught exception on rank {rank} of {size} ({summary}); "
+                "aborting the MPI job so that no rank waits for it.\n"
+                + "".join(traceback.format_exception(exc_type, exc, tb)))
             sys.stderr.flush()
             sys.stdout.flush()
+            time.sleep(1.0)  # lets the launcher forward the traceback before the abort
             MPI.COMM_WORLD.Abort(1)
 
         _state["hook"] = excepthook
