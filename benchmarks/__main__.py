@@ -68,7 +68,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 
-    print(f"| bytes | raw Allreduce ms | MPIStrategy reduce ms | ratio |")
+    print("| bytes | raw Allreduce ms | MPIStrategy reduce ms | ratio |")
     print("| ---: | ---: | ---: | ---: |")
     for c in collectives:
         print(f"| {c['bytes']:,} | {c['raw_allreduce_ms']:.3f} | {c['reduce_overhead_ms']:.3f} "

@@ -52,6 +52,19 @@ def pytest_unconfigure(config):
         WORLD.Abort(_exit_status[0])
 
 
+@pytest.fixture(scope="module")
+def strategy():
+    """The MPIStrategy under test: all ranks, LOCAL_DEVICES devices each."""
+    from mpi_testing import mpi_strategy_under_test
+    return mpi_strategy_under_test()
+
+
+@pytest.fixture
+def shared_dir(tmp_path):
+    """One directory that every rank names (rank 0's tmp_path)."""
+    return WORLD.bcast(str(tmp_path), root=0)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "single_process: runs only outside mpiexec (e.g. launches mpiexec itself)")

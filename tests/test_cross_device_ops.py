@@ -4,13 +4,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_testing import NUM_REPLICAS, RANK, SIZE, WORLD, mpi_strategy_under_test
+from mpi_testing import NUM_REPLICAS, RANK, SIZE
 from mpi_strategy import MPICrossDeviceOps
 
-
-@pytest.fixture(scope="module")
-def strategy():
-    return mpi_strategy_under_test()
 
 
 def _mpi_op_counts(concrete_function):

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import mpi_strategy
 from mpi_testing import (NUM_REPLICAS, RANK, WORLD, assert_same_on_all_ranks, computed_on_rank0,
-                         mpi_strategy_under_test, reference_strategy)
+                         reference_strategy)
 
 KERASES = ["keras", "tf_keras"]
 FEATURES, CLASSES = 6, 4
@@ -35,15 +35,6 @@ def K(request):
     return importlib.import_module(request.param)
 
 
-@pytest.fixture(scope="module")
-def strategy():
-    return mpi_strategy_under_test()
-
-
-@pytest.fixture
-def shared_dir(tmp_path):
-    """One directory that every rank names (rank 0's tmp_path)."""
-    return WORLD.bcast(str(tmp_path), root=0)
 
 
 def build(K, strategy, steps_per_execution=1):

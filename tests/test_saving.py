@@ -7,17 +7,9 @@ import pytest
 import tensorflow as tf
 
 import mpi_strategy
-from mpi_testing import RANK, WORLD, assert_same_on_all_ranks, mpi_strategy_under_test
+from mpi_testing import RANK, WORLD, assert_same_on_all_ranks
 
 
-@pytest.fixture(scope="module")
-def strategy():
-    return mpi_strategy_under_test()
-
-
-@pytest.fixture
-def shared_dir(tmp_path):
-    return WORLD.bcast(str(tmp_path), root=0)
 
 
 def make_model(strategy, seed):

@@ -18,10 +18,6 @@ from mpi_testing import (LOCAL_DEVICES, NUM_REPLICAS, RANK, SIZE, WORLD,
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64]
 
 
-@pytest.fixture(scope="module")
-def strategy():
-    return mpi_strategy_under_test()
-
 
 @pytest.fixture(scope="module")
 def mirrored():

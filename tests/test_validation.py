@@ -3,7 +3,6 @@
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 from mpi4py import MPI
 
