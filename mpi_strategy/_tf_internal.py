@@ -35,7 +35,6 @@ try:
     from tensorflow.python.distribute import distribute_utils as _distribute_utils
     from tensorflow.python.distribute import input_util as _input_util
     from tensorflow.python.distribute import mirrored_strategy as _mirrored_strategy
-    from tensorflow.python.distribute import values as _values
     from tensorflow.python.framework import ops as _ops
     from tensorflow.python.ops import control_flow_util as _control_flow_util
 except ImportError as exc:  # pragma: no cover - only on an untested TF
@@ -46,11 +45,7 @@ except ImportError as exc:  # pragma: no cover - only on an untested TF
 
 # The single-process mirrored machinery MPIStrategy extends across ranks.
 MirroredExtended = _mirrored_strategy.MirroredExtended
-# Concrete DistributedValues containers (tf.distribute only exports the base).
-Mirrored = _values.Mirrored
-PerReplica = _values.PerReplica
 regroup = _distribute_utils.regroup
-get_devices_from = _cross_device_ops.get_devices_from
 simple_broadcast = _cross_device_ops.simple_broadcast
 get_distributed_dataset = _input_util.get_distributed_dataset
 get_distributed_datasets_from_function = _input_util.get_distributed_datasets_from_function
