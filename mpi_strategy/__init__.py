@@ -6,15 +6,19 @@
 
 Launch with ``mpiexec -n N python train.py``. Data path: user step ->
 ``strategy`` (replica semantics) -> ``cross_device_ops`` (what is reduced) ->
-``fusion`` (how it is packed) -> ``mpi_ops`` (ordered, graph-safe MPI calls)
--> mpi4py.
+``fusion`` (what travels together) -> ``mpi_ops`` (ordered, graph-safe MPI
+calls) -> ``rendezvous`` (the ranks agree on each collective) -> mpi4py.
 """
 
-from mpi_strategy.cluster_resolver import MPIClusterResolver
-from mpi_strategy.cross_device_ops import MPICrossDeviceOps
-from mpi_strategy.errors import MPIStrategyError
-from mpi_strategy.saving import only_chief_writes
-from mpi_strategy.strategy import MPIStrategy
+from mpi_strategy import logs
+
+logs.configure()
+
+from mpi_strategy.cluster_resolver import MPIClusterResolver  # noqa: E402
+from mpi_strategy.cross_device_ops import MPICrossDeviceOps  # noqa: E402
+from mpi_strategy.errors import MPIStrategyError  # noqa: E402
+from mpi_strategy.saving import only_chief_writes  # noqa: E402
+from mpi_strategy.strategy import MPIStrategy  # noqa: E402
 
 __version__ = "0.1.0"
 

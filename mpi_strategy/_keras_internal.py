@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
+from mpi_strategy.logs import logger
+
 
 class _Site(NamedTuple):
     """Where one Keras implementation keeps what is wrapped."""
@@ -55,8 +57,8 @@ def install_for_imported_kerases(strategy_class):
             _wrap_reduce_per_replica(importlib.import_module(site.trainer), strategy_class)
             _wrap_callback_list(site, strategy_class)
         except (ImportError, AttributeError) as exc:  # pragma: no cover - other Keras
-            tf.get_logger().warning(
-                "mpi_strategy: could not adapt %s (%s): predict() returns only this "
+            logger.warning(
+                "could not adapt %s (%s): predict() returns only this "
                 "rank's rows and every rank prints progress.", package, exc)
 
 

@@ -8,6 +8,7 @@ import time, instead of somewhere deep inside a training step.
 import tensorflow as tf
 
 from mpi_strategy.errors import MPIStrategyError
+from mpi_strategy.logs import logger
 
 SUPPORTED_TF = ((2, 16), (2, 21))  # inclusive range this file was checked against
 
@@ -23,7 +24,7 @@ if _version < SUPPORTED_TF[0]:
         f"found {tf.__version__}. Upgrade with: pip install -U 'tensorflow>=2.16'"
     )
 if _version > SUPPORTED_TF[1]:
-    tf.get_logger().warning(
+    logger.warning(
         "mpi_strategy was tested with TensorFlow up to %s; found %s. "
         "If something fails in mpi_strategy/_tf_internal.py, TensorFlow's "
         "private distribute API changed.",

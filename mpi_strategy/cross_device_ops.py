@@ -6,6 +6,8 @@ locally, then once across ranks through the ordered MPI ops, then copied to
 the requested destination devices. Every rank gets the same result.
 """
 
+import functools
+
 import tensorflow as tf
 
 from mpi_strategy import _tf_internal
@@ -27,11 +29,20 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     Args:
       comm: an mpi4py intracommunicator (default ``MPI.COMM_WORLD``).
+      options: default ``tf.distribute.experimental.CommunicationOptions``;
+        ``timeout_seconds`` bounds how long a rank waits for the others to
+        reach a collective (default: no limit). Options passed to a call are
+        merged over these.
     """
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, options=None):
         super().__init__()
-        self._mpi = OrderedComm(resolve_comm(comm))
+        self._options = options or tf.distribute.experimental.CommunicationOptions()
+        self._mpi = OrderedComm(resolve_comm(comm),
+                                name_missing_ranks=self._options.timeout_seconds is not None)
+
+    def _timeout(self, options):
+        return self._options.merge(options).timeout_seconds
 
     @property
     def comm(self):
@@ -51,19 +62,20 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs,
                                     options):
-        del options  # no implementation choices yet
         reduced = self.all_reduce_values(
-            reduce_op, [value for value, _ in value_destination_pairs])
+            reduce_op, [value for value, _ in value_destination_pairs],
+            timeout=self._timeout(options))
         return [
             _tf_internal.simple_broadcast(r, destinations)
             for r, (_, destinations) in zip(reduced, value_destination_pairs)
         ]
 
-    def all_reduce_values(self, reduce_op, values):
+    def all_reduce_values(self, reduce_op, values, timeout=None):
         """Reduces each of ``values`` over all replicas of all ranks.
 
         Returns one tensor (or ``IndexedSlices``) per value, on the host.
         """
+        allreduce = functools.partial(self._mpi.allreduce_sum_packed, timeout=timeout)
         reduce_op = ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op
         parts = [_local_values(v) for v in values]
         dense = [i for i, p in enumerate(parts) if not _is_sparse(p[0])]
@@ -71,10 +83,10 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
 
         results = [None] * len(values)
         local_sums = [_local_sum(parts[i]) for i in dense]
-        for i, r in zip(dense, fusion.fused_allreduce(local_sums, self._mpi.allreduce_sum)):
+        for i, r in zip(dense, fusion.fused_allreduce(local_sums, allreduce)):
             results[i] = r
         for i in sparse:
-            results[i] = self._allgather_indexed_slices(parts[i])
+            results[i] = self._allgather_indexed_slices(parts[i], timeout)
 
         if reduce_op == ReduceOp.MEAN:
             for i, p in enumerate(parts):
@@ -83,24 +95,23 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
             raise ValueError(f"reduce_op must be SUM or MEAN, got {reduce_op}")
         return results
 
-    def _allgather_indexed_slices(self, slices):
+    def _allgather_indexed_slices(self, slices, timeout):
         # Summing IndexedSlices = concatenating them: the rows for repeated
         # indices are added when the slices are applied.
         values = tf.concat([s.values for s in slices], axis=0)
         indices = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0)
         return tf.IndexedSlices(
-            values=self._mpi.allgather(values),
-            indices=tf.cast(self._mpi.allgather(indices), slices[0].indices.dtype),
+            values=self._mpi.allgather(values, timeout),
+            indices=tf.cast(self._mpi.allgather(indices, timeout), slices[0].indices.dtype),
             dense_shape=slices[0].dense_shape)
 
     # -- gather --------------------------------------------------------------
     def _gather_implementation(self, per_replica_value, destinations, axis,
                                options):
-        del options
-        gathered = self.all_gather_values(per_replica_value, axis)
+        gathered = self.all_gather_values(per_replica_value, axis, self._timeout(options))
         return _tf_internal.simple_broadcast(gathered, destinations)
 
-    def all_gather_values(self, value, axis):
+    def all_gather_values(self, value, axis, timeout=None):
         """Concatenation along ``axis`` of every replica's value, in replica order."""
         local = tf.concat(_local_values(value), axis=axis)
         rank = local.shape.rank
@@ -108,19 +119,20 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
             raise ValueError("mpi_strategy: gather needs tensors of known rank.")
         axis = axis % rank if rank else 0
         if axis == 0:
-            return self._mpi.allgather(local)
+            return self._mpi.allgather(local, timeout)
         perm = [axis] + [d for d in range(rank) if d != axis]
         inverse = [perm.index(d) for d in range(rank)]
-        return tf.transpose(self._mpi.allgather(tf.transpose(local, perm)), inverse)
+        return tf.transpose(self._mpi.allgather(tf.transpose(local, perm), timeout), inverse)
 
     # -- broadcast -----------------------------------------------------------
     def broadcast_implementation(self, tensor, destinations):
-        value = self._mpi.broadcast(tf.convert_to_tensor(tensor))
+        value = self._mpi.broadcast(tf.convert_to_tensor(tensor),
+                                    timeout=self._options.timeout_seconds)
         return _tf_internal.simple_broadcast(value, destinations, always_mirrored=True)
 
     def broadcast_from_root(self, tensor):
         """``tensor`` as rank 0 has it, on every rank (used for initial values)."""
-        return self._mpi.broadcast(tensor)
+        return self._mpi.broadcast(tensor, timeout=self._options.timeout_seconds)
 
 
 def _local_values(value):

@@ -32,7 +32,9 @@ def abort_job_on_uncaught_exception(comm):
             if previous is not sys.__excepthook__:
                 previous(exc_type, exc, tb)  # a hook the program installed itself
             # One write, so that launchers that tag lines with the rank keep it whole.
-            summary = "".join(traceback.format_exception_only(exc_type, exc)).strip()
+            # TensorFlow's messages span many lines; the traceback below has them all.
+            lines = "".join(traceback.format_exception_only(exc_type, exc)).strip().splitlines()
+            summary = lines[0] + (" ..." if len(lines) > 1 else "") if lines else exc_type.__name__
             sys.stderr.write(
                 f"mpi_strategy: uncaught exception on rank {rank} of {size} ({summary}); "
                 "aborting the MPI job so that no rank waits for it.\n"

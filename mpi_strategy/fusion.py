@@ -1,9 +1,9 @@
-"""How many dense tensors become few MPI messages: one fused buffer per dtype.
+"""How many dense tensors become few MPI messages: one fused message per dtype.
 
-``fused_allreduce(tensors, allreduce)`` flattens and concatenates the tensors
-that share a wire dtype, sums the buffer with one ``allreduce`` call, and
-splits it back. float16 and bfloat16 travel and are summed as float32 (MPI
-has no portable half-precision sum), then cast back.
+``fused_allreduce(tensors, allreduce_packed)`` groups the tensors by the dtype
+they travel in and sums each group with one ``allreduce_packed`` call (which
+packs the group into one buffer). float16 and bfloat16 travel and are summed
+as float32 (MPI has no portable half-precision sum), then cast back.
 """
 
 import tensorflow as tf
@@ -16,12 +16,13 @@ def wire_dtype(dtype):
     return _WIRE_DTYPE.get(dtype, dtype)
 
 
-def fused_allreduce(tensors, allreduce):
-    """Sums each tensor across ranks with one ``allreduce`` call per wire dtype.
+def fused_allreduce(tensors, allreduce_packed):
+    """Sums each tensor across ranks with one ``allreduce_packed`` call per wire dtype.
 
     Args:
       tensors: a list of dense tensors (any shapes).
-      allreduce: a function summing one tensor across ranks.
+      allreduce_packed: sums a list of tensors of one dtype across ranks in one
+        message (``OrderedComm.allreduce_sum_packed``).
 
     Returns:
       A list of tensors matching ``tensors`` in order, shape and dtype.
@@ -32,14 +33,7 @@ def fused_allreduce(tensors, allreduce):
 
     results = [None] * len(tensors)
     for dtype, indices in groups.items():
-        members = [tf.cast(tensors[i], dtype) for i in indices]
-        if len(members) == 1:
-            summed = [allreduce(members[0])]
-        else:
-            flat = tf.concat([tf.reshape(m, [-1]) for m in members], axis=0)
-            sizes = [tf.size(m) for m in members]
-            pieces = tf.split(allreduce(flat), tf.stack(sizes), num=len(members))
-            summed = [tf.reshape(p, tf.shape(m)) for p, m in zip(pieces, members)]
+        summed = allreduce_packed([tf.cast(tensors[i], dtype) for i in indices])
         for i, s in zip(indices, summed):
             s = tf.cast(s, tensors[i].dtype)
             s.set_shape(tensors[i].shape)

@@ -9,7 +9,10 @@ one after another, in the order the program issued them, on every rank. This
 is the same device TensorFlow uses for its own collectives (an ordering token
 passed to ``CollectiveReduceV2``).
 
-Data crosses MPI as raw buffers, never as pickles.
+Inside each op, the ranks first agree on what the collective is
+(``rendezvous.py``): a mismatch raises the same error on every rank, and an
+optional timeout names the ranks that never arrived. Data crosses MPI as raw
+buffers, never as pickles.
 """
 
 import numpy as np
@@ -17,6 +20,7 @@ import tensorflow as tf
 from mpi4py import MPI
 
 from mpi_strategy import _tf_internal
+from mpi_strategy import rendezvous as rendezvous_lib
 from mpi_strategy.errors import MPIStrategyError
 
 # Dtypes MPI can sum natively. float16 / bfloat16 are summed in float32 by the
@@ -33,10 +37,14 @@ class OrderedComm:
     communicator.
     """
 
-    def __init__(self, comm):
+    def __init__(self, comm, name_missing_ranks=False):
+        """``name_missing_ranks``: make timeouts name the ranks that never
+        arrived (costs a few bytes of point-to-point messages per collective
+        when a timeout is used)."""
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self._rendezvous = rendezvous_lib.Rendezvous(comm, name_missing_ranks)
         # The token must be a plain (non-distributed) variable: create it
         # outside any tf.function, on the host.
         with tf.init_scope(), tf.device("/device:CPU:0"):
@@ -59,33 +67,50 @@ class OrderedComm:
         return outputs[1:]
 
     # -- collectives -----------------------------------------------------------
-    def allreduce_sum(self, x):
-        """Element-wise sum of ``x`` over all ranks (every rank gets the sum)."""
+    def allreduce_sum(self, x, timeout=None):
+        """Element-wise sum of ``x`` over all ranks (every rank gets the sum).
+
+        ``timeout``: seconds to wait for the other ranks to reach this
+        collective before raising (None: wait as long as MPI does, forever).
+        """
+        return self.allreduce_sum_packed([x], timeout)[0]
+
+    def allreduce_sum_packed(self, tensors, timeout=None):
+        """Sums each of ``tensors`` (all of one dtype) over all ranks, in one MPI call.
+
+        Several tensors are packed into one buffer inside the op, summed in
+        place and handed back to TensorFlow as aligned views of that buffer:
+        one copy in, none out.
+        """
         _check_not_xla("allreduce")
         if self.size == 1:
-            return tf.identity(x)
-        if x.dtype not in REDUCIBLE_DTYPES:
+            return [tf.identity(t) for t in tensors]
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) != 1 or tensors[0].dtype not in REDUCIBLE_DTYPES:
             raise MPIStrategyError(
-                f"mpi_strategy: cannot sum dtype {x.dtype.name} with MPI; "
-                f"supported: {[d.name for d in REDUCIBLE_DTYPES]} "
+                f"mpi_strategy: cannot sum dtype(s) {sorted(d.name for d in dtypes)} in one "
+                f"MPI call; supported: one of {[d.name for d in REDUCIBLE_DTYPES]} "
                 "(float16/bfloat16 are summed in float32 by MPICrossDeviceOps).")
-        comm = self.comm
+        comm, rendezvous = self.comm, self._rendezvous
 
-        def allreduce(array):
-            _check_same_on_all_ranks(
-                comm, array.size, f"allreduce of {array.size} elements (shape {array.shape})",
-                "Element-wise reductions need tensors of one shape on every rank; "
-                "per-replica batches of different sizes can only be reduced along an "
-                "axis (strategy.reduce(..., axis=0)) or gathered.")
-            out = np.empty_like(array)
-            comm.Allreduce(array, out, op=MPI.SUM)
-            return (out,)
+        def allreduce(*arrays):
+            rendezvous.agree(rendezvous_lib.ALLREDUCE, arrays[0].dtype,
+                             [a.shape for a in arrays], timeout=timeout)
+            if len(arrays) == 1:
+                out = np.empty_like(arrays[0])
+                comm.Allreduce(arrays[0], out, op=MPI.SUM)
+                return (out,)
+            buffer, views = _pack(arrays)
+            comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+            return views
 
-        (out,) = self._ordered_call("MPIAllreduce", allreduce, [x], [x.dtype])
-        out.set_shape(x.shape)
-        return out
+        outs = self._ordered_call("MPIAllreduce", allreduce, tensors,
+                                  [t.dtype for t in tensors])
+        for out, t in zip(outs, tensors):
+            out.set_shape(t.shape)
+        return outs
 
-    def allgather(self, x):
+    def allgather(self, x, timeout=None):
         """Concatenation along axis 0 of ``x`` from every rank, in rank order.
 
         Ranks may contribute different numbers of rows; the other dimensions
@@ -94,51 +119,40 @@ class OrderedComm:
         _check_not_xla("allgather")
         if self.size == 1:
             return tf.identity(x)
-        comm, size = self.comm, self.size
+        comm, rendezvous = self.comm, self._rendezvous
         np_dtype = x.dtype.as_numpy_dtype
 
         def allgatherv(array):
             array = np.ascontiguousarray(array)
             rows = array.shape[0] if array.ndim else 1
-            row_bytes = array.nbytes // rows if rows else _row_bytes(array)
-            header = np.array([rows, row_bytes], np.int64)
-            headers = np.empty((size, 2), np.int64)
-            comm.Allgather(header, headers)
-            if np.any(headers[:, 1] != row_bytes):
-                raise MPIStrategyError(
-                    "mpi_strategy: all_gather got rows of different sizes on "
-                    f"different ranks (bytes per row by rank: {headers[:, 1].tolist()}, "
-                    f"this is rank {comm.Get_rank()} with shape {array.shape}). "
-                    "Every rank must gather tensors whose shapes agree except "
-                    "along the gather axis.")
-            counts = headers[:, 0] * row_bytes
-            out = np.empty((int(headers[:, 0].sum()),) + array.shape[1:], np_dtype)
-            comm.Allgatherv([_bytes(array), MPI.BYTE],
-                            [_bytes(out), (counts.tolist(), None), MPI.BYTE])
+            per_row = int(np.prod(array.shape[1:], dtype=np.int64))
+            everyone = rendezvous.agree(rendezvous_lib.ALLGATHER, array.dtype,
+                                        [array.shape[1:]], rows=rows, timeout=timeout)
+            all_rows = everyone[:, -1]
+            counts = (all_rows * per_row * array.itemsize).tolist()
+            out = np.empty((int(all_rows.sum()),) + array.shape[1:], np_dtype)
+            comm.Allgatherv([_bytes(array), MPI.BYTE], [_bytes(out), (counts, None), MPI.BYTE])
             return (out,)
 
         (out,) = self._ordered_call("MPIAllgather", allgatherv, [x], [x.dtype])
         out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         return out
 
-    def broadcast(self, x, root=0):
+    def broadcast(self, x, root=0, timeout=None):
         """``x`` as it is on ``root``, on every rank.
 
-        Raises on every rank if the ranks' tensors differ in size, since that
-        means the ranks are not running the same program (e.g. a model built
-        differently on one rank).
+        Raises on every rank if the ranks' tensors differ in size or dtype,
+        since that means the ranks are not running the same program (e.g. a
+        model built differently on one rank).
         """
         _check_not_xla("broadcast")
         if self.size == 1:
             return tf.identity(x)
-        comm = self.comm
+        comm, rendezvous = self.comm, self._rendezvous
 
         def bcast(array):
-            _check_same_on_all_ranks(
-                comm, array.nbytes,
-                f"broadcast of {array.nbytes} bytes (shape {array.shape}, dtype {array.dtype})",
-                "All ranks must create the same variables, in the same order, with "
-                "the same shapes (build the model identically on every rank).")
+            rendezvous.agree(rendezvous_lib.BROADCAST, array.dtype, [array.shape],
+                             timeout=timeout)
             out = np.array(array, copy=True, order="C")
             comm.Bcast([_bytes(out), MPI.BYTE], root=root)
             return (out,)
@@ -146,20 +160,6 @@ class OrderedComm:
         (out,) = self._ordered_call("MPIBroadcast", bcast, [x], [x.dtype])
         out.set_shape(x.shape)
         return out
-
-
-def _check_same_on_all_ranks(comm, value, what, advice):
-    """Raises the same error on every rank unless ``value`` agrees on all ranks.
-
-    Costs one small Allgather; it turns a mismatch that MPI would report as
-    "Message truncated" (or not at all) into an error that names the sizes.
-    """
-    everyone = np.empty(comm.Get_size(), np.int64)
-    comm.Allgather(np.array([value], np.int64), everyone)
-    if np.any(everyone != everyone[0]):
-        raise MPIStrategyError(
-            f"mpi_strategy: ranks disagree in an MPI collective. Rank {comm.Get_rank()}: "
-            f"{what}; sizes by rank: {everyone.tolist()}. {advice}")
 
 
 def _check_not_xla(name):
@@ -172,10 +172,33 @@ def _check_not_xla(name):
             "functions that do not communicate, e.g. the model's forward pass.")
 
 
+# TensorFlow adopts a numpy output without copying only if it is this aligned.
+_ALIGN_BYTES = 64
+
+
+def _pack(arrays):
+    """One buffer holding ``arrays`` back to back, each start aligned.
+
+    Returns the buffer and a view of it per array, in the array's shape; the
+    padding between them is zero.
+    """
+    dtype = arrays[0].dtype
+    step = max(1, _ALIGN_BYTES // dtype.itemsize)
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.size // step) * step
+    raw = np.empty(total * dtype.itemsize + _ALIGN_BYTES, np.uint8)
+    start = -raw.ctypes.data % _ALIGN_BYTES
+    buffer = raw[start:start + total * dtype.itemsize].view(dtype)
+    views = []
+    for a, offset, end in zip(arrays, offsets, offsets[1:] + [total]):
+        buffer[offset:offset + a.size] = a.reshape(-1)
+        buffer[offset + a.size:end] = 0
+        views.append(buffer[offset:offset + a.size].reshape(a.shape))
+    return buffer, views
+
+
 def _bytes(array):
     """A writable-if-possible uint8 view of a C-contiguous array (any dtype)."""
     return array.reshape(-1).view(np.uint8)
-
-
-def _row_bytes(array):
-    return int(np.prod(array.shape[1:], dtype=np.int64)) * array.itemsize

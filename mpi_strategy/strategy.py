@@ -16,6 +16,7 @@ from mpi_strategy import _keras_internal, _tf_internal
 from mpi_strategy.cluster_resolver import MPIClusterResolver
 from mpi_strategy.cross_device_ops import MPICrossDeviceOps
 from mpi_strategy.failure import abort_job_on_uncaught_exception
+from mpi_strategy.logs import logger
 from mpi_strategy.validation import check_same_on_all_ranks, resolve_comm
 
 ReduceOp = tf.distribute.ReduceOp
@@ -39,7 +40,11 @@ class MPIStrategy(tf.distribute.Strategy):
       devices: this rank's local devices (default: its share of the node's
         GPUs, else the CPU). Every rank must have the same number.
       communication_options: ``tf.distribute.experimental.CommunicationOptions``,
-        merged into the options of every collective.
+        merged into the options of every collective. ``timeout_seconds=T``
+        makes a rank that waits more than T seconds for the others to reach a
+        collective raise an error naming the collective and the missing ranks
+        (without it, such a rank waits forever, as MPI does).
+        ``implementation`` and ``bytes_per_pack`` are accepted and ignored.
     """
 
     # MirroredExtended reads this from its container strategy.
@@ -85,7 +90,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         devices = list(devices) if devices else default_devices(comm)
         check_same_on_all_ranks(comm, len(devices), "number of devices per rank")
         super().__init__(container_strategy, devices=devices,
-                         cross_device_ops=MPICrossDeviceOps(comm))
+                         cross_device_ops=MPICrossDeviceOps(comm, communication_options))
         # MirroredExtended defaults these to NCCL / single-process values.
         self._communication_options = communication_options
         self.experimental_enable_get_next_as_optional = True
@@ -94,6 +99,12 @@ class MPIExtended(_tf_internal.MirroredExtended):
         # Read by tf_keras (as from MultiWorkerMirroredStrategy) to name the
         # scratch directories where non-chief ranks write checkpoints.
         self._task_type, self._task_id = "worker", self._rank
+        logger.info(
+            "MPIStrategy: %d rank(s) x %d device(s) = %d replicas (%s); %s; collective "
+            "timeout: %s", self._num_ranks, len(self._devices), self._num_replicas_in_sync,
+            ", ".join(self._devices), MPI.Get_library_version().splitlines()[0].strip(),
+            f"{communication_options.timeout_seconds} s"
+            if communication_options.timeout_seconds else "none")
 
     def _initialize_strategy(self, devices):
         # MirroredExtended would also build TF collective ops for the local

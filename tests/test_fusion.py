@@ -7,10 +7,10 @@ from mpi_strategy import fusion
 
 
 def _recording(calls):
-    def allreduce(x):
-        calls.append((x.dtype, x.shape))
-        return x * 2  # stands in for "sum over two ranks"
-    return allreduce
+    def allreduce_packed(xs):
+        calls.append([(x.dtype, tuple(x.shape)) for x in xs])
+        return [x * 2 for x in xs]  # stands in for "sum over two ranks"
+    return allreduce_packed
 
 
 def test_one_call_per_wire_dtype_in_first_appearance_order():
@@ -19,25 +19,19 @@ def test_one_call_per_wire_dtype_in_first_appearance_order():
     calls = []
     out = fusion.fused_allreduce(tensors, _recording(calls))
     # float32 (incl. float16/bfloat16 summed as float32), float64, int32.
-    assert [c[0] for c in calls] == [tf.float32, tf.float64, tf.int32]
-    assert calls[0][1] == (6 + 1 + 1 + 6,)
+    assert [[dtype for dtype, _ in call] for call in calls] == [
+        [tf.float32] * 4, [tf.float64], [tf.int32]]
+    assert [shape for _, shape in calls[0]] == [(2, 3), (), (1, 1), (3, 2)]
     for t, o in zip(tensors, out):
         assert o.dtype == t.dtype and o.shape == t.shape
         np.testing.assert_array_equal(tf.cast(o, tf.float64).numpy(),
                                       2 * tf.cast(t, tf.float64).numpy())
 
 
-def test_values_land_in_their_own_tensors():
-    tensors = [tf.reshape(tf.range(6, dtype=tf.float32), [2, 3]), tf.constant([10.0, 20.0])]
-    out = fusion.fused_allreduce(tensors, lambda x: x + tf.range(tf.size(x), dtype=x.dtype))
-    np.testing.assert_array_equal(out[0].numpy(), [[0, 2, 4], [6, 8, 10]])
-    np.testing.assert_array_equal(out[1].numpy(), [16.0, 27.0])
-
-
 def test_unknown_shapes_inside_a_function():
     @tf.function(input_signature=[tf.TensorSpec([None, 2]), tf.TensorSpec([None])])
     def f(a, b):
-        return fusion.fused_allreduce([a, b], lambda x: x * 3)
+        return fusion.fused_allreduce([a, b], lambda xs: [x * 3 for x in xs])
 
     a, b = f(tf.ones([3, 2]), tf.ones([4]))
     assert a.shape == (3, 2) and b.shape == (4,)

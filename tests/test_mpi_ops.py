@@ -33,10 +33,55 @@ def test_allreduce_scalar_and_empty(mpi):
     assert mpi.allreduce_sum(tf.zeros([0, 4])).shape == (0, 4)
 
 
+def test_pack_aligns_every_tensor_and_zeroes_the_padding():
+    from mpi_strategy.mpi_ops import _ALIGN_BYTES, _pack
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.float32(7) * np.ones(()),
+              np.zeros((0, 4), np.float32), np.arange(17, dtype=np.float32)]
+    buffer, views = _pack(arrays)
+    for a, v in zip(arrays, views):
+        np.testing.assert_array_equal(v, a)
+        assert v.shape == a.shape and v.ctypes.data % _ALIGN_BYTES == 0
+        assert np.shares_memory(v, buffer) or a.size == 0
+    assert buffer.sum() == sum(float(a.sum()) for a in arrays)  # padding is zero
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+def test_allreduce_packed_many_shapes(mpi, in_function):
+    shapes = [[2, 3], [], [0, 4], [17], [5, 1, 2]]
+    tensors = [tf.fill(s, float(RANK + 1 + i)) for i, s in enumerate(shapes)]
+    fn = tf.function(mpi.allreduce_sum_packed) if in_function else mpi.allreduce_sum_packed
+    outs = fn(tensors)
+    for i, (s, out) in enumerate(zip(shapes, outs)):
+        assert out.shape == tuple(s)
+        np.testing.assert_array_equal(out.numpy(), np.full(s, sum(r + 1 + i for r in range(SIZE))))
+
+
+def test_results_are_not_overwritten_by_the_next_call(mpi):
+    """Outputs are views of a buffer made for one call; a later call must not touch them."""
+    @tf.function
+    def summed(x):
+        return mpi.allreduce_sum_packed([x, 2 * x])
+
+    first = summed(tf.ones([1000]))
+    second = summed(tf.fill([1000], 5.0))
+    np.testing.assert_array_equal(first[0].numpy(), np.full([1000], SIZE))
+    np.testing.assert_array_equal(first[1].numpy(), np.full([1000], 2 * SIZE))
+    np.testing.assert_array_equal(second[1].numpy(), np.full([1000], 10 * SIZE))
+
+
+def test_shapes_that_differ_with_equal_sizes_raise_on_every_rank(mpi):
+    if SIZE == 1:
+        pytest.skip("needs two ranks to disagree")
+    x = tf.zeros([2, 3] if RANK == 0 else [3, 2])
+    with pytest.raises((MPIStrategyError, tf.errors.OpError),
+                       match="same sizes, but the shapes differ between ranks"):
+        mpi.allreduce_sum(x)
+
+
 def test_allreduce_rejects_unsupported_dtype(mpi):
     if SIZE == 1:
         pytest.skip("a 1-rank world does not call MPI")
-    with pytest.raises(MPIStrategyError, match="cannot sum dtype bool"):
+    with pytest.raises(MPIStrategyError, match=r"cannot sum dtype\(s\) \['bool'\]"):
         mpi.allreduce_sum(tf.constant([True]))
 
 
@@ -53,7 +98,9 @@ def test_allgather_mismatched_rows_raise_on_every_rank(mpi):
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
     x = tf.zeros([1, 2 + RANK])
-    with pytest.raises((MPIStrategyError, tf.errors.OpError), match="rows of different sizes"):
+    by_rank = "; ".join(f"rank {r}: all_gather of 1 rows of {2 + r} float32 elements"
+                        for r in range(SIZE))
+    with pytest.raises((MPIStrategyError, tf.errors.OpError), match=re.escape(by_rank)):
         mpi.allgather(x)
 
 
@@ -67,7 +114,7 @@ def test_broadcast_size_mismatch_raises_on_every_rank(mpi):
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
     with pytest.raises((MPIStrategyError, tf.errors.OpError),
-                       match=r"ranks disagree .* broadcast of \d+ bytes"):
+                       match=rf"ranks disagree .* rank {RANK}: broadcast of {RANK + 1} float32"):
         mpi.broadcast(tf.zeros([RANK + 1]))
 
 
@@ -76,12 +123,58 @@ def test_allreduce_shape_mismatch_raises_on_every_rank(mpi, in_function):
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
     fn = tf.function(mpi.allreduce_sum) if in_function else mpi.allreduce_sum
-    expected = [2 + r for r in range(SIZE)]
+    by_rank = "; ".join(f"rank {r}: allreduce of {2 + r} float32 elements" for r in range(SIZE))
     with pytest.raises((MPIStrategyError, tf.errors.OpError),
-                       match=rf"allreduce of {2 + RANK} elements .* by rank: {re.escape(str(expected))}"):
+                       match=rf"ranks disagree .*shapes \({2 + RANK},\)\)\. {re.escape(by_rank)}"):
         fn(tf.zeros([2 + RANK]))
     # The communicator is still usable afterwards.
     assert float(mpi.allreduce_sum(tf.constant(1.0))) == SIZE
+
+
+def test_dtype_mismatch_raises_on_every_rank(mpi):
+    if SIZE == 1:
+        pytest.skip("needs two ranks to disagree")
+    dtype = tf.float64 if RANK == 0 else tf.float32
+    by_rank = "; ".join(f"rank {r}: allreduce of 3 {'float64' if r == 0 else 'float32'} elements"
+                        for r in range(SIZE))
+    with pytest.raises((MPIStrategyError, tf.errors.OpError), match=re.escape(by_rank)):
+        mpi.allreduce_sum(tf.zeros([3], dtype))
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+def test_different_collectives_on_different_ranks_raise_on_every_rank(mpi, in_function):
+    """Same bytes, different collectives: MPI alone would mix them up silently."""
+    if SIZE == 1:
+        pytest.skip("needs two ranks to disagree")
+
+    def step(x):
+        return mpi.allreduce_sum(x) if RANK == 0 else mpi.broadcast(x)
+
+    fn = tf.function(step) if in_function else step
+    with pytest.raises((MPIStrategyError, tf.errors.OpError),
+                       match=r"rank 0: allreduce of 4 float32 elements; rank 1: broadcast of 4 "
+                             r"float32 elements.*running different collectives"):
+        fn(tf.ones([4]))
+    assert float(mpi.allreduce_sum(tf.constant(1.0))) == SIZE  # still usable
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+def test_collectives_with_a_timeout_wait_for_late_ranks(in_function):
+    """The polled path: ranks arrive at different times, within the timeout."""
+    mpi = OrderedComm(WORLD.Dup(), name_missing_ranks=True)
+
+    def step(x):
+        x = _rank_dependent_delay(x, 0.3 * RANK)
+        summed = mpi.allreduce_sum(x, timeout=60)
+        return summed, mpi.allgather(x[:RANK + 1], timeout=60), mpi.broadcast(x, timeout=60)
+
+    fn = tf.function(step) if in_function else step
+    for _ in range(2):
+        summed, gathered, broadcast = fn(tf.fill([5], float(RANK + 1)))
+        np.testing.assert_array_equal(summed.numpy(), np.full([5], SIZE * (SIZE + 1) / 2))
+        np.testing.assert_array_equal(
+            gathered.numpy(), np.concatenate([np.full([r + 1], r + 1.0) for r in range(SIZE)]))
+        np.testing.assert_array_equal(broadcast.numpy(), np.ones([5]))
 
 
 def _rank_dependent_delay(x, seconds):

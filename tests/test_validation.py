@@ -56,3 +56,17 @@ def test_too_little_thread_support_is_explained():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "MPI_THREAD_FUNNELED" in proc.stderr and "MPI_THREAD_SERIALIZED" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("variable", ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"])
+def test_a_launcher_that_does_not_match_mpi_is_explained(variable, monkeypatch):
+    """A launcher started 4 tasks but each one is a world of 1: never train silently alone."""
+    import mpi_strategy
+    if SIZE > 1:
+        pytest.skip("only a world of one process can be a mismatched launch")
+    monkeypatch.setenv(variable, "4")
+    with pytest.raises(MPIStrategyError, match=rf"one of 4 tasks started by .*\({variable}=4\), "
+                                               r"but MPI sees a world of 1 process"):
+        mpi_strategy.MPIStrategy()
+    # comm=COMM_SELF says "independent runs on purpose".
+    mpi_strategy.MPIStrategy(comm=MPI.COMM_SELF)

@@ -1,0 +1,28 @@
+"""The library's log: every line tagged with the rank, ranks other than 0 quiet.
+
+mpi_strategy logs to the standard ``logging`` logger ``"mpi_strategy"``, each
+line prefixed ``[mpi_strategy rank R/N]``. Rank 0 shows INFO and above; the
+other ranks only errors, so N ranks do not print N copies of the same line.
+Change it like any logger: ``logging.getLogger("mpi_strategy").setLevel(...)``.
+"""
+
+import logging
+import sys
+
+from mpi4py import MPI
+
+logger = logging.getLogger("mpi_strategy")
+
+
+def configure():
+    """Installs the rank-tagged handler once per process (at import)."""
+    if any(getattr(h, "_mpi_strategy", False) for h in logger.handlers):
+        return
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    handler = logging.StreamHandler(sys.stderr)
+    handler._mpi_strategy = True  # pylint: disable=protected-access
+    handler.setFormatter(logging.Formatter(
+        f"[mpi_strategy rank {rank}/{size}] %(levelname)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False  # one line per message, not one more via the root logger
+    logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)

@@ -1,0 +1,96 @@
+"""Smoke test of the benchmark suite: the cost model and one tiny variant end to end.
+
+The figures themselves come from ``python -m benchmarks`` (docs/benchmarks.md);
+this only checks that the machinery measures and projects sanely.
+"""
+
+import math
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from benchmarks import cost_model  # noqa: E402
+
+ALPHA, BETA = 5e-6, 1 / 2e9  # a fake machine: 5 us per message, 2 GB/s
+
+
+def _fake_calibration(ranks=2):
+    sizes = [4, 4096, 65536, 1048576, 7450000, 67108864]
+    return sizes, [cost_model.allreduce_time(n, ranks, ALPHA, BETA) for n in sizes]
+
+
+@pytest.mark.single_process
+def test_cost_model_fits_and_projects_sanely():
+    for ranks in (2, 4):
+        fit = cost_model.fit_alpha_beta(*_fake_calibration(ranks), ranks)
+        assert math.isclose(fit["alpha_s"], ALPHA, rel_tol=1e-6), fit
+        assert math.isclose(fit["beta_s_per_byte"], BETA, rel_tol=1e-6), fit
+        assert fit["relative_rms_error"] < 1e-6
+    with pytest.raises(ValueError, match="two different message sizes"):
+        cost_model.fit_alpha_beta([8, 8], [1e-5, 1e-5], 2)
+
+    intra = {"alpha": ALPHA, "beta": BETA}
+    workloads = {"small": {"params": 10_000, "compute_s": 0.05},
+                 "large": {"params": 50_000_000, "compute_s": 0.05}}
+    rows = cost_model.project(workloads, intra)
+    for name in workloads:
+        for label in cost_model.NETWORKS:
+            mine = sorted((r for r in rows if r["workload"] == name and r["network"] == label),
+                          key=lambda r: r["cores"])
+            assert mine[0]["cores"] == 1 and math.isclose(mine[0]["speedup"], 1.0)
+            for a, b in zip(mine, mine[1:]):
+                assert b["step_ms"] >= a["step_ms"]        # more ranks never communicate less
+                assert b["speedup"] <= b["cores"] + 1e-9
+                if name == "small":  # compute-bound: more cores, more throughput
+                    assert a["speedup"] < b["speedup"]
+            # More parameters to reduce: slower steps, lower speedup at every core count.
+            other = {r["cores"]: r for r in rows if r["workload"] != name
+                     and r["network"] == label}
+            for r in mine[1:]:
+                bigger = r if name == "large" else other[r["cores"]]
+                smaller = other[r["cores"]] if name == "large" else r
+                assert bigger["speedup"] < smaller["speedup"]
+    # A faster network never projects a lower speedup.
+    slow, fast = list(cost_model.NETWORKS)
+    assert cost_model.NETWORKS[slow]["beta"] > cost_model.NETWORKS[fast]["beta"]
+    for p in (40, 80, 320):
+        assert (cost_model.speedup_at(rows, "large", fast, p)
+                > cost_model.speedup_at(rows, "large", slow, p))
+
+
+@pytest.mark.single_process
+def test_one_tiny_training_variant_end_to_end():
+    from benchmarks.__main__ import train_variant
+    from benchmarks.report import MODEL_NAMES, markdown, rss_ratio
+
+    row = train_variant("embedding", "no_strategy", ranks=2, batch=8, steps=2, warmup=1)
+    assert row["error"] is None, row
+    assert row["ms_per_step"] > 0 and row["samples_per_s"] == pytest.approx(
+        8 / row["ms_per_step"] * 1e3)
+    assert 100 < max(row["peak_rss_mb"]) < 20000
+    assert row["params"] == 100_000 * 64 + 64 * 64 + 64 + 64 * 10 + 10
+    assert "IndexedSlices" in row["grad_types_before_reduce"]
+    assert "IndexedSlices" in row["grad_types_after_reduce"]
+    # The report renders a (partial) run with that row.
+    sizes, seconds = _fake_calibration()
+    result = {
+        "ranks": 2, "quick": True, "command": "test", "time": "now", "duration_s": 1,
+        "load_before": "0", "load_after": "0",
+        "machine": {"cores": 2, "cpu": "x", "memory_GiB": 1, "python": "3", "versions": {}},
+        "collectives": [{"bytes": n, "raw_allreduce_ms": t * 1e3, "reduce_overhead_ms": 0.1,
+                         "ratio_to_raw": 1.0, "raw_bus_bandwidth_GBps": 1.0,
+                         "strategy_bus_bandwidth_GBps": 1.0, "ranks": 2}
+                        for n, t in zip(sizes, seconds)],
+        "batch_reduce": [], "train_step": [row],
+        "compute": {m: {"params": 1000, "ms_per_step": 32.0, "global_batch": 32}
+                    for m in ("lenet3", "cnn", "higgs")},
+    }
+    result["cost_model"] = cost_model.model_report(result)
+    assert rss_ratio(result, "embedding", "no_strategy") == 1.0
+    text = markdown(result)
+    assert "| " + MODEL_NAMES["embedding"] + " (8) | no strategy, 1 process |" in text

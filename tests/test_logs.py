@@ -1,0 +1,29 @@
+"""mpi_strategy.logs: lines tagged with the rank; ranks other than 0 quiet."""
+
+import io
+import logging
+
+from mpi_testing import RANK, SIZE, mpi_strategy_under_test
+
+from mpi_strategy.logs import logger
+
+
+def test_rank_0_logs_info_and_the_other_ranks_only_errors():
+    assert logger.getEffectiveLevel() == (logging.INFO if RANK == 0 else logging.ERROR)
+
+
+def test_lines_carry_the_rank_and_strategy_creation_is_logged_on_rank_0():
+    (handler,) = [h for h in logger.handlers if getattr(h, "_mpi_strategy", False)]
+    stream = io.StringIO()
+    previous = handler.setStream(stream)
+    try:
+        mpi_strategy_under_test()
+        logger.error("something to see on every rank")
+    finally:
+        handler.setStream(previous)
+    lines = stream.getvalue().splitlines()
+    assert f"[mpi_strategy rank {RANK}/{SIZE}] ERROR: something to see on every rank" in lines
+    created = [line for line in lines if "INFO: MPIStrategy:" in line]
+    assert len(created) == (1 if RANK == 0 else 0), lines
+    if RANK == 0:
+        assert f"{SIZE} rank(s) x" in created[0] and "collective timeout: none" in created[0]
