@@ -184,6 +184,7 @@ def main():
         raise RuntimeError(f"collectives benchmark failed: {error}")
     result["collectives"] = [r for r in rows if r["kind"] == "reduce"]
     result["batch_reduce"] = [r for r in rows if r["kind"] == "batch_reduce"]
+    result["check"] = next((r for r in rows if r["kind"] == "check"), None)
 
     result["train_step"] = []
     for model, (batch, steps, warmup) in TRAIN_MODELS.items():

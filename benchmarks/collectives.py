@@ -11,7 +11,10 @@ Rank 0 prints one JSON line per measurement:
   the CNN's 10) reduced by one ``ReplicaContext.all_reduce`` of the list (what
   the Keras optimizer issues, fused by the strategy), and by one
   ``strategy.reduce`` per tensor, against one raw Allreduce of all their bytes
-  (the floor for a fused reduction) and one raw Allreduce per tensor.
+  (the floor for a fused reduction) and one raw Allreduce per tensor;
+- ``kind: "check"``: the agreement check that precedes every collective
+  (``rendezvous.Rendezvous.agree``: one 56-byte Allgather), for one scalar and
+  for the MLP's 6 gradient shapes.
 
 Times are the median of individually timed calls, the slowest rank's.
 Bus bandwidth follows the usual allreduce convention: 2(n-1)/n x bytes / time.
@@ -143,6 +146,18 @@ def measure_batch_reduce(strategy, model, quick):
             "strategy_bus_bandwidth_GBps": bus_bandwidth_gbps(nbytes, t_fused)}
 
 
+def measure_check(quick):
+    """The always-on agreement check before every collective, alone."""
+    from mpi_strategy.rendezvous import ALLREDUCE, Rendezvous
+    rendezvous = Rendezvous(COMM)
+    shapes = [tuple(s) for s in models.gradient_shapes("mlp")]
+    repeats = 200 if quick else 2000
+    t_one = timed(lambda: rendezvous.agree(ALLREDUCE, np.float32, [()]), repeats)
+    t_mlp = timed(lambda: rendezvous.agree(ALLREDUCE, np.float32, shapes), repeats)
+    return {"kind": "check", "ranks": COMM.Get_size(), "repeats": repeats,
+            "check_scalar_ms": t_one * 1e3, "check_mlp_gradients_ms": t_mlp * 1e3}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("sizes", nargs="*", type=int, help="bytes per single-tensor reduce")
@@ -151,6 +166,7 @@ def main():
     strategy = mpi_strategy.MPIStrategy()
     rows = [measure_reduce(strategy, b, args.quick) for b in args.sizes or DEFAULT_SIZES]
     rows += [measure_batch_reduce(strategy, m, args.quick) for m in BATCH_MODELS]
+    rows.append(measure_check(args.quick))
     if COMM.Get_rank() == 0:
         for row in rows:
             print(json.dumps(row), flush=True)

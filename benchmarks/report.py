@@ -117,6 +117,14 @@ def markdown(result):
                      f"{b['per_tensor_reduce_overhead_ms']:.3f} | {b['ratio_to_raw']:.2f} | "
                      f"{b['strategy_bus_bandwidth_GBps']:.3f} |")
 
+    check = result.get("check")
+    if check:
+        lines += ["", f"The agreement check that precedes every collective (one 56-byte "
+                  f"Allgather of what each rank is about to do, always on) costs "
+                  f"{check['check_scalar_ms'] * 1e3:.1f} us for a scalar and "
+                  f"{check['check_mlp_gradients_ms'] * 1e3:.1f} us for the MLP's 6 gradients "
+                  f"at {check['ranks']} ranks: included in every strategy figure above."]
+
     lines += ["", "### Training step", "",
               "Median ms/step of the timed steps (slowest process); samples/s = global batch "
               "/ step time; peak RSS = VmHWM of each process (max over ranks), ratio to the "

@@ -20,6 +20,7 @@ import tensorflow as tf
 from mpi4py import MPI
 
 from mpi_strategy import _tf_internal
+from mpi_strategy import buffers
 from mpi_strategy import rendezvous as rendezvous_lib
 from mpi_strategy.errors import MPIStrategyError
 
@@ -45,6 +46,7 @@ class OrderedComm:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._rendezvous = rendezvous_lib.Rendezvous(comm, name_missing_ranks)
+        self._pool = buffers.BufferPool()
         # The token must be a plain (non-distributed) variable: create it
         # outside any tf.function, on the host.
         with tf.init_scope(), tf.device("/device:CPU:0"):
@@ -78,9 +80,10 @@ class OrderedComm:
     def allreduce_sum_packed(self, tensors, timeout=None):
         """Sums each of ``tensors`` (all of one dtype) over all ranks, in one MPI call.
 
-        Several tensors are packed into one buffer inside the op, summed in
-        place and handed back to TensorFlow as aligned views of that buffer:
-        one copy in, none out.
+        The tensors are copied into one pooled buffer, summed in place by one
+        MPI call and handed back as aligned views of it, which TensorFlow
+        adopts without a copy (``buffers.py``): one copy in, none out, and the
+        same memory every step once TensorFlow has let go of the previous one.
         """
         _check_not_xla("allreduce")
         if self.size == 1:
@@ -91,18 +94,14 @@ class OrderedComm:
                 f"mpi_strategy: cannot sum dtype(s) {sorted(d.name for d in dtypes)} in one "
                 f"MPI call; supported: one of {[d.name for d in REDUCIBLE_DTYPES]} "
                 "(float16/bfloat16 are summed in float32 by MPICrossDeviceOps).")
-        comm, rendezvous = self.comm, self._rendezvous
+        comm, rendezvous, pool = self.comm, self._rendezvous, self._pool
 
         def allreduce(*arrays):
             rendezvous.agree(rendezvous_lib.ALLREDUCE, arrays[0].dtype,
                              [a.shape for a in arrays], timeout=timeout)
-            if len(arrays) == 1:
-                out = np.empty_like(arrays[0])
-                comm.Allreduce(arrays[0], out, op=MPI.SUM)
-                return (out,)
-            buffer, views = _pack(arrays)
+            buffer, outs = buffers.pack(arrays, pool)
             comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
-            return views
+            return outs
 
         outs = self._ordered_call("MPIAllreduce", allreduce, tensors,
                                   [t.dtype for t in tensors])
@@ -170,33 +169,6 @@ def _check_not_xla(name):
             "Remove jit_compile=True from the tf.function (for Keras: "
             "model.compile(..., jit_compile=False)); XLA can still compile "
             "functions that do not communicate, e.g. the model's forward pass.")
-
-
-# TensorFlow adopts a numpy output without copying only if it is this aligned.
-_ALIGN_BYTES = 64
-
-
-def _pack(arrays):
-    """One buffer holding ``arrays`` back to back, each start aligned.
-
-    Returns the buffer and a view of it per array, in the array's shape; the
-    padding between them is zero.
-    """
-    dtype = arrays[0].dtype
-    step = max(1, _ALIGN_BYTES // dtype.itemsize)
-    offsets, total = [], 0
-    for a in arrays:
-        offsets.append(total)
-        total += -(-a.size // step) * step
-    raw = np.empty(total * dtype.itemsize + _ALIGN_BYTES, np.uint8)
-    start = -raw.ctypes.data % _ALIGN_BYTES
-    buffer = raw[start:start + total * dtype.itemsize].view(dtype)
-    views = []
-    for a, offset, end in zip(arrays, offsets, offsets[1:] + [total]):
-        buffer[offset:offset + a.size] = a.reshape(-1)
-        buffer[offset + a.size:end] = 0
-        views.append(buffer[offset:offset + a.size].reshape(a.shape))
-    return buffer, views
 
 
 def _bytes(array):

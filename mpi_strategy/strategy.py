@@ -17,7 +17,7 @@ from mpi_strategy.cluster_resolver import MPIClusterResolver
 from mpi_strategy.cross_device_ops import MPICrossDeviceOps
 from mpi_strategy.failure import abort_job_on_uncaught_exception
 from mpi_strategy.logs import logger
-from mpi_strategy.validation import check_same_on_all_ranks, resolve_comm
+from mpi_strategy.validation import check_same_on_all_ranks, mpi_library, resolve_comm
 
 ReduceOp = tf.distribute.ReduceOp
 
@@ -102,7 +102,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         logger.info(
             "MPIStrategy: %d rank(s) x %d device(s) = %d replicas (%s); %s; collective "
             "timeout: %s", self._num_ranks, len(self._devices), self._num_replicas_in_sync,
-            ", ".join(self._devices), MPI.Get_library_version().splitlines()[0].strip(),
+            ", ".join(self._devices), mpi_library(),
             f"{communication_options.timeout_seconds} s"
             if communication_options.timeout_seconds else "none")
 

@@ -39,6 +39,11 @@ _LAUNCHER_TASK_COUNTS = (
 )
 
 
+def mpi_library():
+    """The MPI library mpi4py uses, in one line (e.g. "MPICH Version: 5.0.2")."""
+    return " ".join(MPI.Get_library_version().splitlines()[0].split())
+
+
 def check_launcher_matches_mpi(comm):
     """Raises if a launcher started several tasks but MPI sees a world of one.
 
@@ -51,7 +56,7 @@ def check_launcher_matches_mpi(comm):
     for variable, launcher in _LAUNCHER_TASK_COUNTS:
         value = os.environ.get(variable, "")
         if value.isdigit() and int(value) > 1:
-            library = MPI.Get_library_version().splitlines()[0].strip()
+            library = mpi_library()
             raise MPIStrategyError(
                 f"mpi_strategy: this process is one of {value} tasks started by {launcher} "
                 f"({variable}={value}), but MPI sees a world of 1 process: the launcher "

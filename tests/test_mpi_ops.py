@@ -33,21 +33,23 @@ def test_allreduce_scalar_and_empty(mpi):
     assert mpi.allreduce_sum(tf.zeros([0, 4])).shape == (0, 4)
 
 
-def test_pack_aligns_every_tensor_and_zeroes_the_padding():
-    from mpi_strategy.mpi_ops import _ALIGN_BYTES, _pack
-    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.float32(7) * np.ones(()),
-              np.zeros((0, 4), np.float32), np.arange(17, dtype=np.float32)]
-    buffer, views = _pack(arrays)
+def test_slots_are_aligned_and_packed_with_zero_padding():
+    from mpi_strategy.buffers import ALIGN_BYTES, BufferPool, pack
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(300, dtype=np.float32),
+              np.float32(7) * np.ones(()), np.zeros((0, 4), np.float32),
+              np.arange(17, dtype=np.float32)]
+    buffer, views = pack(arrays, BufferPool())
+    assert buffer.size == 16 + 304 + 16 + 0 + 32  # each padded to 64 bytes
     for a, v in zip(arrays, views):
+        assert v.shape == a.shape and v.ctypes.data % ALIGN_BYTES == 0
         np.testing.assert_array_equal(v, a)
-        assert v.shape == a.shape and v.ctypes.data % _ALIGN_BYTES == 0
         assert np.shares_memory(v, buffer) or a.size == 0
-    assert buffer.sum() == sum(float(a.sum()) for a in arrays)  # padding is zero
+    assert buffer.sum() == sum(float(a.sum()) for a in arrays)  # the padding is zero
 
 
 @pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
 def test_allreduce_packed_many_shapes(mpi, in_function):
-    shapes = [[2, 3], [], [0, 4], [17], [5, 1, 2]]
+    shapes = [[2, 3], [], [0, 4], [17], [5, 1, 2], [300, 1000]]
     tensors = [tf.fill(s, float(RANK + 1 + i)) for i, s in enumerate(shapes)]
     fn = tf.function(mpi.allreduce_sum_packed) if in_function else mpi.allreduce_sum_packed
     outs = fn(tensors)
@@ -57,16 +59,17 @@ def test_allreduce_packed_many_shapes(mpi, in_function):
 
 
 def test_results_are_not_overwritten_by_the_next_call(mpi):
-    """Outputs are views of a buffer made for one call; a later call must not touch them."""
+    """Outputs are views of pooled buffers; a buffer is reused only when no tensor views it."""
+    n = 1 << 15  # large enough to be pooled
+
     @tf.function
     def summed(x):
-        return mpi.allreduce_sum_packed([x, 2 * x])
+        return mpi.allreduce_sum_packed([x, 2 * x]) + [mpi.allreduce_sum(3 * x)]
 
-    first = summed(tf.ones([1000]))
-    second = summed(tf.fill([1000], 5.0))
-    np.testing.assert_array_equal(first[0].numpy(), np.full([1000], SIZE))
-    np.testing.assert_array_equal(first[1].numpy(), np.full([1000], 2 * SIZE))
-    np.testing.assert_array_equal(second[1].numpy(), np.full([1000], 10 * SIZE))
+    held = [summed(tf.fill([n], float(step))) for step in range(4)]
+    for step, outs in enumerate(held):
+        for factor, out in zip((1, 2, 3), outs):
+            np.testing.assert_array_equal(out.numpy(), np.full([n], factor * step * SIZE))
 
 
 def test_shapes_that_differ_with_equal_sizes_raise_on_every_rank(mpi):
