@@ -23,6 +23,15 @@ _POOLED_MIN_BYTES = 1 << 16  # smaller buffers come from malloc's heap, no page 
 _POOL_SIZE = 4
 
 
+def aligned_empty(shape, dtype):
+    """A fresh, uninitialised array that TensorFlow can adopt without a copy."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN_BYTES, np.uint8)
+    start = -raw.ctypes.data % ALIGN_BYTES
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 class BufferPool:
     """Aligned 1-D buffers, reused once nothing else holds them.
 
@@ -35,12 +44,13 @@ class BufferPool:
 
     def empty(self, count, dtype):
         """An uninitialised aligned array of ``count`` elements of ``dtype``."""
-        dtype = np.dtype(dtype)
-        nbytes = count * dtype.itemsize
-        raw = self._reusable(nbytes + ALIGN_BYTES) if nbytes >= _POOLED_MIN_BYTES else None
+        nbytes = count * np.dtype(dtype).itemsize
+        if nbytes < _POOLED_MIN_BYTES:
+            return aligned_empty((count,), dtype)
+        raw = self._reusable(nbytes + ALIGN_BYTES)
         if raw is None:
             raw = np.empty(nbytes + ALIGN_BYTES, np.uint8)
-            if nbytes >= _POOLED_MIN_BYTES and len(self._raw) < _POOL_SIZE:
+            if len(self._raw) < _POOL_SIZE:
                 self._raw.append(raw)
         start = -raw.ctypes.data % ALIGN_BYTES
         return raw[start:start + nbytes].view(dtype)

@@ -119,7 +119,6 @@ class OrderedComm:
         if self.size == 1:
             return tf.identity(x)
         comm, rendezvous = self.comm, self._rendezvous
-        np_dtype = x.dtype.as_numpy_dtype
 
         def allgatherv(array):
             array = np.ascontiguousarray(array)
@@ -129,7 +128,7 @@ class OrderedComm:
                                         [array.shape[1:]], rows=rows, timeout=timeout)
             all_rows = everyone[:, -1]
             counts = (all_rows * per_row * array.itemsize).tolist()
-            out = np.empty((int(all_rows.sum()),) + array.shape[1:], np_dtype)
+            out = buffers.aligned_empty((int(all_rows.sum()),) + array.shape[1:], array.dtype)
             comm.Allgatherv([_bytes(array), MPI.BYTE], [_bytes(out), (counts, None), MPI.BYTE])
             return (out,)
 
@@ -152,7 +151,8 @@ class OrderedComm:
         def bcast(array):
             rendezvous.agree(rendezvous_lib.BROADCAST, array.dtype, [array.shape],
                              timeout=timeout)
-            out = np.array(array, copy=True, order="C")
+            out = buffers.aligned_empty(array.shape, array.dtype)
+            out[...] = array
             comm.Bcast([_bytes(out), MPI.BYTE], root=root)
             return (out,)
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from mpi_strategy.buffers import ALIGN_BYTES, BufferPool
+from mpi_strategy.buffers import ALIGN_BYTES, BufferPool, aligned_empty
 
 BIG = 1 << 15  # float32 elements: 128 KiB, pooled
 
@@ -11,6 +11,10 @@ def test_buffers_are_aligned_for_tensorflow():
     pool = BufferPool()
     for count in (1, 3, 17, BIG, BIG + 1):
         assert pool.empty(count, np.float32).ctypes.data % ALIGN_BYTES == 0
+    for shape in [(), (0, 3), (5, 7), (3, 1, 2)]:
+        fresh = aligned_empty(shape, np.float64)
+        assert fresh.shape == shape
+        assert fresh.size == 0 or fresh.ctypes.data % ALIGN_BYTES == 0  # empty: no data
 
 
 def test_a_buffer_is_reused_only_after_every_view_is_gone():
