@@ -41,7 +41,9 @@ class NetnsUnavailable(RuntimeError):
 
 
 def _run(*argv, check=True):
-    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # ip / tc return at once; the timeout only turns a wedged one into an error.
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=60)
     if check and proc.returncode != 0:
         raise subprocess.CalledProcessError(proc.returncode, argv, proc.stdout)
     return proc.stdout
@@ -66,7 +68,7 @@ def netem_available():
         return False
     try:
         return subprocess.run(["tc", "qdisc", "add", "dev", probe, "root", "netem", "delay", "1ms"],
-                              capture_output=True).returncode == 0
+                              capture_output=True, timeout=60).returncode == 0
     finally:
         _run("ip", "link", "del", probe, check=False)
 

@@ -143,7 +143,7 @@ np.savez(os.path.join(args.out, f"weights{rank}.npz"), *model.get_weights())
 
 for phase in json.loads(args.phases):
     for command in phase["commands"]:  # shapes this host's own link
-        subprocess.run(command, check=True)
+        subprocess.run(command, check=True, timeout=60)
     world.Barrier()
     for _ in range(args.warmup_steps):
         step()
