@@ -25,7 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 # Per training model: global batch, timed steps, warm-up steps (full run).
-TRAIN_MODELS = {"mlp": (256, 60, 10), "cnn": (128, 20, 5), "embedding": (256, 60, 10)}
+TRAIN_MODELS = {"mlp": (256, 60, 10), "cnn": (128, 20, 5), "embedding": (256, 60, 10),
+                "widedeep": (256, 60, 10)}
 QUICK_STEPS = (6, 2)
 # Compute time per replica for the cost model: the paper's workloads at batch 32.
 COMPUTE_MODELS = ["lenet3", "cnn", "higgs"]

@@ -12,8 +12,10 @@ Rank 0 prints one JSON line per measurement:
   the Keras optimizer issues, fused by the strategy), and by one
   ``strategy.reduce`` per tensor, against one raw Allreduce of all their bytes
   (the floor for a fused reduction) and one raw Allreduce per tensor;
+  The fused reduction is also timed with ``compression="float16"`` (large
+  tensors summed in 16 bits: half the bytes, plus the casts);
 - ``kind: "check"``: the agreement check that precedes every collective
-  (``rendezvous.Rendezvous.agree``: one 56-byte Allgather), for one scalar and
+  (``rendezvous.Rendezvous.agree``: one 64-byte Allgather), for one scalar and
   for the MLP's 6 gradient shapes.
 
 Times are the median of individually timed calls, the slowest rank's.
@@ -93,7 +95,7 @@ def measure_reduce(strategy, nbytes, quick):
             "strategy_bus_bandwidth_GBps": bus_bandwidth_gbps(n * 4, overhead)}
 
 
-def measure_batch_reduce(strategy, model, quick):
+def measure_batch_reduce(strategy, strategy_float16, model, quick):
     shapes = models.gradient_shapes(model)
     tensors = [tf.ones(s, tf.float32) for s in shapes]
     nbytes = sum(int(np.prod(s)) * 4 for s in shapes)
@@ -102,11 +104,15 @@ def measure_batch_reduce(strategy, model, quick):
     def fresh():
         return [t * 1.0 for t in tensors]
 
-    @tf.function
-    def fused():
-        def replica_fn():
-            return tf.distribute.get_replica_context().all_reduce("SUM", fresh())
-        return strategy.experimental_local_results(strategy.run(replica_fn))[0]
+    def fused_with(strategy):
+        @tf.function
+        def fused():
+            def replica_fn():
+                return tf.distribute.get_replica_context().all_reduce("SUM", fresh())
+            return strategy.experimental_local_results(strategy.run(replica_fn))[0]
+        return fused
+
+    fused, fused_float16 = fused_with(strategy), fused_with(strategy_float16)
 
     @tf.function
     def one_by_one():
@@ -134,6 +140,7 @@ def measure_batch_reduce(strategy, model, quick):
     t_without = timed(fetch(without_reduce), repeats)
     t_fused = timed(fetch(fused), repeats) - t_without
     t_each = timed(fetch(one_by_one), repeats) - t_without
+    t_float16 = timed(fetch(fused_float16), repeats) - t_without
     return {"kind": "batch_reduce", "model": model, "tensors": len(shapes), "bytes": nbytes,
             "ranks": COMM.Get_size(), "repeats": repeats,
             "raw_allreduce_ms": t_raw * 1e3,
@@ -141,6 +148,7 @@ def measure_batch_reduce(strategy, model, quick):
             "tf_function_without_reduce_ms": t_without * 1e3,
             "fused_reduce_overhead_ms": t_fused * 1e3,
             "per_tensor_reduce_overhead_ms": t_each * 1e3,
+            "fused_float16_reduce_overhead_ms": t_float16 * 1e3,
             "ratio_to_raw": t_fused / t_raw,
             "raw_bus_bandwidth_GBps": bus_bandwidth_gbps(nbytes, t_raw),
             "strategy_bus_bandwidth_GBps": bus_bandwidth_gbps(nbytes, t_fused)}
@@ -165,7 +173,9 @@ def main():
     args = parser.parse_args()
     strategy = mpi_strategy.MPIStrategy()
     rows = [measure_reduce(strategy, b, args.quick) for b in args.sizes or DEFAULT_SIZES]
-    rows += [measure_batch_reduce(strategy, m, args.quick) for m in BATCH_MODELS]
+    strategy_float16 = mpi_strategy.MPIStrategy(compression="float16")
+    rows += [measure_batch_reduce(strategy, strategy_float16, m, args.quick)
+             for m in BATCH_MODELS]
     rows.append(measure_check(args.quick))
     if COMM.Get_rank() == 0:
         for row in rows:

@@ -8,6 +8,10 @@ step, not the input pipeline.
 - ``cnn``: CIFAR-10-sized, conv 32/32/64 + dense 64 (also the paper's CIFAR-10 workload);
 - ``embedding``: a 100k x 64 embedding averaged over a bag of ids per example,
   then dense 64 -> 10; its embedding gradient is a ``tf.IndexedSlices``;
+- ``widedeep``: the paper's Adult workload in the shape of
+  ``examples/adult_wide_deep.py``: 9 hashed categorical columns, each with a
+  wide (1-wide) and a deep (8-wide) embedding table, into dense 64-32-2: 18
+  tables, 18 ``tf.IndexedSlices`` gradients per step;
 - ``lenet3``: the paper's MNIST LeNet-3 (conv 20/50, fc 500);
 - ``higgs``: a DNN on Higgs' 28 features (5 x 300 tanh, the usual Higgs DNN; assumed).
 """
@@ -52,6 +56,23 @@ def _embedding():
     ])
 
 
+WIDEDEEP_BUCKETS = [32, 64, 32, 64, 16, 16, 8, 64, 256]  # per categorical column
+
+
+def _widedeep():
+    ids = tf.keras.Input((len(WIDEDEEP_BUCKETS),), dtype="int32")
+    wide, deep = [], []
+    for column, buckets in enumerate(WIDEDEEP_BUCKETS):
+        one = ids[:, column]
+        wide.append(tf.keras.layers.Embedding(buckets, 1)(one))
+        deep.append(tf.keras.layers.Embedding(buckets, 8)(one))
+    hidden = tf.keras.layers.Dense(64, activation="relu")(tf.keras.layers.Concatenate()(deep))
+    hidden = tf.keras.layers.Dense(32, activation="relu")(hidden)
+    logits = tf.keras.layers.Add()([tf.keras.layers.Dense(2)(hidden),
+                                    tf.keras.layers.Dense(2)(tf.keras.layers.Concatenate()(wide))])
+    return tf.keras.Model(ids, logits)
+
+
 def _lenet3():
     return tf.keras.Sequential([
         tf.keras.Input((28, 28, 1)),
@@ -72,9 +93,9 @@ def _higgs():
         + [tf.keras.layers.Dense(2)])
 
 
-BUILDERS = {"mlp": _mlp, "cnn": _cnn, "embedding": _embedding, "lenet3": _lenet3,
-            "higgs": _higgs}
-CLASSES = {"mlp": 10, "cnn": 10, "embedding": 10, "lenet3": 10, "higgs": 2}
+BUILDERS = {"mlp": _mlp, "cnn": _cnn, "embedding": _embedding, "widedeep": _widedeep,
+            "lenet3": _lenet3, "higgs": _higgs}
+CLASSES = {"mlp": 10, "cnn": 10, "embedding": 10, "widedeep": 2, "lenet3": 10, "higgs": 2}
 
 
 def build(name):
@@ -90,6 +111,8 @@ def batch(name, size, seed=0):
     rng = np.random.default_rng(seed)
     if name == "embedding":
         x = rng.integers(0, EMBEDDING_VOCAB, (size,) + model_input, dtype=np.int32)
+    elif name == "widedeep":
+        x = rng.integers(0, WIDEDEEP_BUCKETS, (size,) + model_input, dtype=np.int32)
     else:
         x = rng.random((size,) + model_input, np.float32)
     y = rng.integers(0, CLASSES[name], size)
@@ -98,6 +121,7 @@ def batch(name, size, seed=0):
 
 def build_input_shape(name):
     return {"mlp": (784,), "cnn": (32, 32, 3), "embedding": (EMBEDDING_BAG,),
+            "widedeep": (len(WIDEDEEP_BUCKETS),),
             "lenet3": (28, 28, 1), "higgs": (28,)}[name]
 
 

@@ -19,7 +19,8 @@ VARIANT_NAMES = {
     "ceiling": "ceiling: {r} independent processes x batch/{r}",
 }
 MODEL_NAMES = {"mlp": "MLP 784-1024-1024-10", "cnn": "CNN conv 32/32/64 + fc 64 (32x32x3)",
-               "embedding": "embedding 100k x 64, bag of 16 ids"}
+               "embedding": "embedding 100k x 64, bag of 16 ids",
+               "widedeep": "wide & deep, 18 small embedding tables (Adult)"}
 
 
 def _variant(result, model, variant):
@@ -108,18 +109,19 @@ def markdown(result):
     lines += ["", "Many tensors at once (a model's gradients, as the Keras optimizer reduces them):",
               "", "| gradients of | tensors | bytes | raw: 1 Allreduce ms | raw: 1 per tensor ms "
               "| MPIStrategy fused (1 all_reduce) ms | MPIStrategy 1 reduce per tensor ms "
-              "| fused / raw | strategy bus GB/s |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| fused / raw | strategy bus GB/s | fused, compression=\"float16\" ms |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for b in result["batch_reduce"]:
         lines.append(f"| {b['model']} | {b['tensors']} | {b['bytes']:,} | "
                      f"{b['raw_allreduce_ms']:.3f} | {b['raw_allreduce_per_tensor_ms']:.3f} | "
                      f"{b['fused_reduce_overhead_ms']:.3f} | "
                      f"{b['per_tensor_reduce_overhead_ms']:.3f} | {b['ratio_to_raw']:.2f} | "
-                     f"{b['strategy_bus_bandwidth_GBps']:.3f} |")
+                     f"{b['strategy_bus_bandwidth_GBps']:.3f} | "
+                     f"{_f(b.get('fused_float16_reduce_overhead_ms'), '{:.3f}')} |")
 
     check = result.get("check")
     if check:
-        lines += ["", f"The agreement check that precedes every collective (one 56-byte "
+        lines += ["", f"The agreement check that precedes every collective (one 64-byte "
                   f"Allgather of what each rank is about to do, always on) costs "
                   f"{check['check_scalar_ms'] * 1e3:.1f} us for a scalar and "
                   f"{check['check_mlp_gradients_ms'] * 1e3:.1f} us for the MLP's 6 gradients "
@@ -140,7 +142,7 @@ def markdown(result):
             note = ""
             if row.get("error"):
                 note = "FAILED: " + row["error"].strip().splitlines()[0][:150].replace("|", "/")
-            elif model == "embedding":
+            elif model in ("embedding", "widedeep"):
                 note = "gradients after reduce: " + ", ".join(row["grad_types_after_reduce"])
             rss = row.get("peak_rss_mb")
             lines.append(
@@ -225,7 +227,7 @@ def plot_all(result, img_dir):
 
     # Training step: ms/step and peak-RSS ratio per model and variant.
     variants = list(VARIANT_NAMES)
-    fig, axes = plt.subplots(2, len(MODEL_NAMES), figsize=(13, 6.5))
+    fig, axes = plt.subplots(2, len(MODEL_NAMES), figsize=(16, 6.5))
     for j, (model, title) in enumerate(MODEL_NAMES.items()):
         rows = [_variant(result, model, v) for v in variants]
         ms = [row.get("ms_per_step") or 0 if row else 0 for row in rows]

@@ -7,12 +7,14 @@ the requested destination devices. Every rank gets the same result.
 """
 
 import functools
+import zlib
 
 import tensorflow as tf
 
 from mpi_strategy import _tf_internal
+from mpi_strategy import compression as compression_lib
 from mpi_strategy import fusion
-from mpi_strategy.validation import resolve_comm
+from mpi_strategy.validation import check_same_on_all_ranks, resolve_comm
 from mpi_strategy.mpi_ops import OrderedComm
 
 ReduceOp = tf.distribute.ReduceOp
@@ -23,7 +25,8 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     ``reduce`` / ``batch_reduce`` give every rank the SUM (or MEAN) over all
     replicas of all ranks; a ``batch_reduce`` of many dense tensors is one MPI
-    Allreduce per dtype. ``tf.IndexedSlices`` are all-gathered, not densified.
+    Allreduce per dtype. ``tf.IndexedSlices`` are all-gathered, not densified
+    (all of one ``batch_reduce`` in one MPI call).
     ``broadcast`` gives every rank the value of rank 0. A plain tensor (not a
     ``DistributedValues``) counts as one value per rank.
 
@@ -33,13 +36,24 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         ``timeout_seconds`` bounds how long a rank waits for the others to
         reach a collective (default: no limit). Options passed to a call are
         merged over these.
+      compression: None (exact sums), ``"float16"`` or ``"bfloat16"``: large
+        floating-point reductions (the gradients) travel in 16 bits, half the
+        bytes; see ``mpi_strategy.compression``. The same on every rank.
     """
 
-    def __init__(self, comm=None, options=None):
+    def __init__(self, comm=None, options=None, compression=None):
         super().__init__()
         self._options = options or tf.distribute.experimental.CommunicationOptions()
-        self._mpi = OrderedComm(resolve_comm(comm),
-                                name_missing_ranks=self._options.timeout_seconds is not None)
+        self._compression = compression_lib.resolve(compression)
+        comm = resolve_comm(comm)
+        check_same_on_all_ranks(comm, zlib.crc32(self.compression.encode()),
+                                f"compression (here {self.compression!r})")
+        self._mpi = OrderedComm(comm, name_missing_ranks=self._options.timeout_seconds is not None)
+
+    @property
+    def compression(self):
+        """How large float sums travel: "none", "float16", "bfloat16" or a policy's name."""
+        return str(getattr(self._compression, "name", type(self._compression).__name__))
 
     def _timeout(self, options):
         return self._options.merge(options).timeout_seconds
@@ -75,7 +89,8 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
 
         Returns one tensor (or ``IndexedSlices``) per value, on the host.
         """
-        allreduce = functools.partial(self._mpi.allreduce_sum_packed, timeout=timeout)
+        allreduce = functools.partial(self._compression.allreduce, mpi=self._mpi,
+                                      timeout=timeout)
         reduce_op = ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op
         parts = [_local_values(v) for v in values]
         dense = [i for i, p in enumerate(parts) if not _is_sparse(p[0])]
@@ -85,8 +100,9 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         local_sums = [_local_sum(parts[i]) for i in dense]
         for i, r in zip(dense, fusion.fused_allreduce(local_sums, allreduce)):
             results[i] = r
-        for i in sparse:
-            results[i] = self._allgather_indexed_slices(parts[i], timeout)
+        gathered = self._allgather_indexed_slices([parts[i] for i in sparse], timeout)
+        for i, r in zip(sparse, gathered):
+            results[i] = r
 
         if reduce_op == ReduceOp.MEAN:
             for i, p in enumerate(parts):
@@ -95,15 +111,24 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
             raise ValueError(f"reduce_op must be SUM or MEAN, got {reduce_op}")
         return results
 
-    def _allgather_indexed_slices(self, slices, timeout):
-        # Summing IndexedSlices = concatenating them: the rows for repeated
-        # indices are added when the slices are applied.
-        values = tf.concat([s.values for s in slices], axis=0)
-        indices = tf.concat([tf.cast(s.indices, tf.int64) for s in slices], axis=0)
-        return tf.IndexedSlices(
-            values=self._mpi.allgather(values, timeout),
-            indices=tf.cast(self._mpi.allgather(indices, timeout), slices[0].indices.dtype),
-            dense_shape=slices[0].dense_shape)
+    def _allgather_indexed_slices(self, values, timeout):
+        """Sums of ``values`` (each a list of this rank's IndexedSlices), all in one MPI call.
+
+        Summing IndexedSlices = concatenating them: the rows of repeated
+        indices are added when the slices are applied. Every table's values
+        and indices travel in one all_gather, however many tables there are.
+        """
+        if not values:
+            return []
+        tensors = []
+        for slices in values:
+            tensors.append(tf.concat([s.values for s in slices], axis=0))
+            index_dtype = slices[0].indices.dtype
+            tensors.append(tf.concat([tf.cast(s.indices, index_dtype) for s in slices], axis=0))
+        gathered = self._mpi.allgather_many(tensors, timeout)
+        return [tf.IndexedSlices(values=gathered[2 * k], indices=gathered[2 * k + 1],
+                                 dense_shape=slices[0].dense_shape)
+                for k, slices in enumerate(values)]
 
     # -- gather --------------------------------------------------------------
     def _gather_implementation(self, per_replica_value, destinations, axis,

@@ -115,25 +115,64 @@ class OrderedComm:
         Ranks may contribute different numbers of rows; the other dimensions
         and the dtype must agree (checked on every rank, so all ranks raise).
         """
+        return self.allgather_many([x], timeout)[0]
+
+    def allgather_many(self, tensors, timeout=None):
+        """``allgather`` of each of ``tensors``, in one MPI call.
+
+        The tensors may differ in dtype and shape; each is concatenated along
+        axis 0 over the ranks, in rank order, and may have a different number
+        of rows on each rank. One ``Allgatherv`` of bytes carries them all:
+        each rank sends its row counts, then every tensor's bytes.
+        """
         _check_not_xla("allgather")
+        if self.size == 1:
+            return [tf.identity(x) for x in tensors]
+        comm, rendezvous = self.comm, self._rendezvous
+
+        def allgatherv(*arrays):
+            arrays = [np.ascontiguousarray(a) for a in arrays]
+            rows = np.array([a.shape[0] if a.ndim else 1 for a in arrays], np.int64)
+            mine = _concat_bytes([rows] + arrays)
+            everyone = rendezvous.agree(
+                rendezvous_lib.ALLGATHER, [a.dtype for a in arrays],
+                [a.shape[1:] for a in arrays], rows=int(rows.sum()), nbytes=mine.size,
+                timeout=timeout)
+            counts = everyone[:, -1]
+            received = buffers.aligned_empty((int(counts.sum()),), np.uint8)
+            comm.Allgatherv(mine, [received, (counts.tolist(), None), MPI.BYTE])
+            return _split_gathered(received, counts, arrays)
+
+        outs = self._ordered_call("MPIAllgather", allgatherv, tensors,
+                                  [x.dtype for x in tensors])
+        for out, x in zip(outs, tensors):
+            out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+        return outs
+
+    def alltoall(self, x, timeout=None):
+        """Row ``r`` of ``x`` goes to rank ``r``: the result's row ``r`` is what
+        rank ``r`` sent to this rank. ``x`` has ``size`` rows, of the same
+        shape and dtype on every rank.
+        """
+        _check_not_xla("alltoall")
         if self.size == 1:
             return tf.identity(x)
         comm, rendezvous = self.comm, self._rendezvous
 
-        def allgatherv(array):
+        def alltoall(array):
+            if array.ndim == 0 or array.shape[0] != self.size:
+                raise MPIStrategyError(
+                    f"mpi_strategy: alltoall needs one row per rank ({self.size}), got "
+                    f"shape {array.shape}.")
             array = np.ascontiguousarray(array)
-            rows = array.shape[0] if array.ndim else 1
-            per_row = int(np.prod(array.shape[1:], dtype=np.int64))
-            everyone = rendezvous.agree(rendezvous_lib.ALLGATHER, array.dtype,
-                                        [array.shape[1:]], rows=rows, timeout=timeout)
-            all_rows = everyone[:, -1]
-            counts = (all_rows * per_row * array.itemsize).tolist()
-            out = buffers.aligned_empty((int(all_rows.sum()),) + array.shape[1:], array.dtype)
-            comm.Allgatherv([_bytes(array), MPI.BYTE], [_bytes(out), (counts, None), MPI.BYTE])
+            rendezvous.agree(rendezvous_lib.ALLTOALL, array.dtype, [array.shape],
+                             timeout=timeout)
+            out = buffers.aligned_empty(array.shape, array.dtype)
+            comm.Alltoall([_bytes(array), MPI.BYTE], [_bytes(out), MPI.BYTE])
             return (out,)
 
-        (out,) = self._ordered_call("MPIAllgather", allgatherv, [x], [x.dtype])
-        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+        (out,) = self._ordered_call("MPIAlltoall", alltoall, [x], [x.dtype])
+        out.set_shape(x.shape)
         return out
 
     def broadcast(self, x, root=0, timeout=None):
@@ -174,3 +213,42 @@ def _check_not_xla(name):
 def _bytes(array):
     """A writable-if-possible uint8 view of a C-contiguous array (any dtype)."""
     return array.reshape(-1).view(np.uint8)
+
+
+def _padded(nbytes):
+    return -(-nbytes // 8) * 8  # every piece starts 8-byte aligned
+
+
+def _concat_bytes(arrays):
+    """The bytes of ``arrays`` back to back, each piece padded to 8 bytes."""
+    out = np.zeros(sum(_padded(a.nbytes) for a in arrays), np.uint8)
+    offset = 0
+    for a in arrays:
+        out[offset:offset + a.nbytes] = _bytes(a)
+        offset += _padded(a.nbytes)
+    return out
+
+
+def _split_gathered(received, counts, arrays):
+    """Every rank's pieces of ``received`` (laid out by ``_concat_bytes``),
+    concatenated per tensor in rank order; ``arrays`` give dtypes and row shapes."""
+    pieces = [[] for _ in arrays]
+    start = 0
+    for count in counts.tolist():
+        rows = received[start:start + 8 * len(arrays)].view(np.int64)
+        offset = start + _padded(8 * len(arrays))
+        for i, (a, n) in enumerate(zip(arrays, rows.tolist())):
+            row_shape = a.shape[1:]
+            nbytes = n * int(np.prod(row_shape, dtype=np.int64)) * a.itemsize
+            pieces[i].append((received[offset:offset + nbytes], n))
+            offset += _padded(nbytes)
+        start += count
+    outs = []
+    for a, parts in zip(arrays, pieces):
+        out = buffers.aligned_empty((sum(n for _, n in parts),) + a.shape[1:], a.dtype)
+        flat, at = _bytes(out), 0
+        for part, _ in parts:
+            flat[at:at + part.size] = part
+            at += part.size
+        outs.append(out)
+    return outs

@@ -6,7 +6,7 @@ rank. A rank that issues another collective, or the same one with another
 dtype or shape, meets the others in that Allgather - always the same number of
 bytes, so MPI never truncates a message or mixes up buffers - and every rank
 raises the same error, naming what each rank was doing. The check is always
-on: it costs one 40-byte Allgather per collective.
+on: it costs one 64-byte Allgather per collective.
 
 With ``CommunicationOptions(timeout_seconds=T)`` the Allgather is non-blocking
 and polled, and each rank tells the others (a few bytes, point to point) the
@@ -23,8 +23,9 @@ from mpi4py import MPI
 
 from mpi_strategy.errors import MPIStrategyError
 
-ALLREDUCE, ALLGATHER, BROADCAST = 1, 2, 3
-_KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "all_gather", BROADCAST: "broadcast"}
+ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL = 1, 2, 3, 4
+_KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "all_gather", BROADCAST: "broadcast",
+               ALLTOALL: "alltoall"}
 
 _DTYPES = [np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64, np.float16,
                                  np.bool_, np.uint8, np.int8, np.int16, np.uint16,
@@ -32,9 +33,9 @@ _DTYPES = [np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64, np.
 _DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
 
 # Signature fields: collective number; kind, dtype, elements (per row for
-# all_gather), number of tensors, a hash of their shapes (these must agree);
-# rows (all_gather only, may differ between ranks).
-_SEQ, _KIND, _DTYPE, _COUNT, _TENSORS, _LAYOUT, _ROWS = range(7)
+# all_gather), number of tensors, a hash of their shapes and dtypes (these
+# must agree); rows and bytes sent (all_gather only, may differ between ranks).
+_SEQ, _KIND, _DTYPE, _COUNT, _TENSORS, _LAYOUT, _ROWS, _BYTES = range(8)
 _MUST_AGREE = slice(_KIND, _LAYOUT + 1)
 
 _ANNOUNCE_TAG = 7
@@ -49,22 +50,28 @@ def _dtype_name(code):
     return _DTYPES[code].name if code < len(_DTYPES) else f"dtype#{code - 1000}"
 
 
-def signature(seq, kind, dtype, shapes, rows=0):
+def signature(seq, kind, dtype, shapes, rows=0, nbytes=0):
     """The fixed-size description of a collective that every rank compares.
 
     ``shapes``: the shapes that must agree (of each tensor packed into an
-    allreduce; of a broadcast tensor; of an all_gather row).
+    allreduce; of a broadcast tensor; of a row of each all_gathered tensor).
+    ``dtype``: one dtype, or one per shape (all_gather of several tensors).
     """
     shapes = [tuple(int(d) for d in shape) for shape in shapes]
+    dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype]
+    codes = [_dtype_code(d) for d in dtypes]
     count = sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes)
-    layout = zlib.crc32(repr(shapes).encode()) & 0x7FFFFFFF
-    return np.array([seq, kind, _dtype_code(dtype), count, len(shapes), layout, rows], np.int64)
+    layout = zlib.crc32(repr((shapes, codes)).encode()) & 0x7FFFFFFF
+    return np.array([seq, kind, codes[0], count, len(shapes), layout, rows, nbytes], np.int64)
 
 
 def describe(signature):
     """What a signature means, in words (e.g. "allreduce of 10 float32 elements")."""
     kind, dtype = _KIND_NAMES.get(int(signature[_KIND]), "?"), _dtype_name(int(signature[_DTYPE]))
     if signature[_KIND] == ALLGATHER:
+        if signature[_TENSORS] != 1:
+            return (f"all_gather of {signature[_TENSORS]} tensors ({signature[_ROWS]} rows, "
+                    f"{signature[_COUNT]} elements per row in all)")
         return (f"all_gather of {signature[_ROWS]} rows of {signature[_COUNT]} "
                 f"{dtype} elements")
     packed = f" in {signature[_TENSORS]} tensors" if signature[_TENSORS] != 1 else ""
@@ -75,10 +82,13 @@ _ADVICE = {
     ALLREDUCE: ("Element-wise reductions need tensors of one shape and dtype on every rank; "
                 "per-replica batches of different sizes can only be reduced along an axis "
                 "(strategy.reduce(..., axis=0)) or gathered."),
-    ALLGATHER: ("Every rank must gather tensors of one dtype whose shapes agree except "
-                "along the gather axis."),
+    ALLGATHER: ("Every rank must gather the same tensors, each of one dtype and with "
+                "shapes that agree except along the gather axis."),
     BROADCAST: ("All ranks must create the same variables, in the same order, with the "
                 "same shapes and dtypes (build the model identically on every rank)."),
+    ALLTOALL: ("A compressed reduction (compression=...) needs the same tensors on every "
+               "rank; the ranks are reducing different gradients (build the model "
+               "identically on every rank) or use different compression settings."),
 }
 _ORDER_ADVICE = (
     "The ranks are running different collectives: every rank must run the same steps, "
@@ -101,17 +111,18 @@ class Rendezvous:
         self._last_seen = np.zeros(self._size, np.int64)  # last collective each rank entered
         self._sends = []
 
-    def agree(self, kind, dtype, shapes, rows=0, timeout=None):
+    def agree(self, kind, dtype, shapes, rows=0, nbytes=0, timeout=None):
         """Blocks until every rank has entered this collective; raises if they differ.
 
         ``shapes`` must be equal on all ranks (see ``signature``); ``timeout``
         is in seconds (None: wait as long as MPI does, forever).
 
         Returns every rank's signature, one row per rank, identical on every
-        rank (the last column is each rank's row count for all_gather).
+        rank (the last column is each rank's ``nbytes``, what it sends in an
+        all_gather).
         """
         self._seq += 1
-        mine = signature(self._seq, kind, dtype, shapes, rows)
+        mine = signature(self._seq, kind, dtype, shapes, rows, nbytes)
         everyone = np.empty((self._size, mine.size), np.int64)
         if timeout is None:
             self._comm.Allgather(mine, everyone)

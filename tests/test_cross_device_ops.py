@@ -40,6 +40,38 @@ def test_batch_reduce_is_one_allreduce_per_dtype(strategy):
         np.testing.assert_array_equal(t.numpy(), np.full(t.shape, total))
 
 
+def test_sparse_gradients_of_many_tables_are_one_allgather(strategy):
+    # Three embedding-like tables: each replica touches rows of each; the
+    # sum stays IndexedSlices and all tables travel in one MPI call.
+    if SIZE == 1:
+        pytest.skip("a 1-rank world issues no MPI call")
+
+    @tf.function
+    def step():
+        def fn():
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            grads = [tf.IndexedSlices(tf.fill([k + 1, k + 2], tf.cast(r + 1, tf.float32)),
+                                      indices=tf.range(k + 1) + r,
+                                      dense_shape=tf.constant([20, k + 2]))
+                     for k in range(3)]
+            dense = tf.fill([4], tf.cast(r, tf.float32))
+            return tf.distribute.get_replica_context().all_reduce("SUM", grads + [dense])
+        return strategy.experimental_local_results(strategy.run(fn))[0]
+
+    assert _mpi_op_counts(step.get_concrete_function()) == {"MPIAllreduce": 1,
+                                                             "MPIAllgather": 1}
+    out = step()
+    for k in range(3):
+        assert isinstance(out[k], tf.IndexedSlices)
+        dense = tf.convert_to_tensor(out[k]).numpy()
+        expected = np.zeros([20, k + 2], np.float32)
+        for r in range(NUM_REPLICAS):
+            expected[r:r + k + 1] += r + 1
+        np.testing.assert_array_equal(dense, expected)
+    total = NUM_REPLICAS * (NUM_REPLICAS - 1) / 2
+    np.testing.assert_array_equal(out[3].numpy(), np.full([4], total))
+
+
 def test_communicator_and_worker_count():
     ops = MPICrossDeviceOps()
     assert ops.comm.Get_size() == SIZE

@@ -107,6 +107,35 @@ def test_allgather_mismatched_rows_raise_on_every_rank(mpi):
         mpi.allgather(x)
 
 
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+def test_allgather_many_mixed_dtypes_and_rows(mpi, in_function):
+    # Rank r sends r + 1 rows of one tensor, 2 r rows of another (none on
+    # rank 0), a scalar and a 3-d tensor: all in one call.
+    tensors = [tf.fill([RANK + 1, 3], float(RANK)),
+               tf.range(10 * RANK, 12 * RANK, dtype=tf.int64),
+               tf.constant(RANK, tf.int32),
+               tf.fill([1, 2, 2], tf.constant(RANK + 0.5, tf.float64))]
+    fn = tf.function(mpi.allgather_many) if in_function else mpi.allgather_many
+    out = fn(tensors)
+    expected = [np.concatenate([np.full([r + 1, 3], r, np.float32) for r in range(SIZE)]),
+                np.concatenate([np.arange(10 * r, 12 * r) for r in range(SIZE)]).astype(np.int64),
+                np.arange(SIZE, dtype=np.int32),
+                np.concatenate([np.full([1, 2, 2], r + 0.5) for r in range(SIZE)])]
+    assert [o.dtype for o in out] == [t.dtype for t in tensors]
+    for o, e in zip(out, expected):
+        np.testing.assert_array_equal(o.numpy(), e)
+
+
+def test_allgather_many_dtype_mismatch_raises_on_every_rank(mpi):
+    if SIZE == 1:
+        pytest.skip("needs two ranks to disagree")
+    dtype = tf.int32 if RANK == 0 else tf.int64
+    with pytest.raises((MPIStrategyError, tf.errors.OpError),
+                       match=r"ranks disagree .*all_gather of 2 tensors"):
+        mpi.allgather_many([tf.zeros([1, 2]), tf.zeros([3], dtype)])
+    assert float(mpi.allreduce_sum(tf.constant(1.0))) == SIZE  # still usable
+
+
 def test_broadcast_takes_rank0_value(mpi):
     x = tf.fill([3], float(RANK + 7))
     out = tf.function(mpi.broadcast)(x).numpy()

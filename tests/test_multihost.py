@@ -51,6 +51,7 @@ parser.add_argument("--phases", default="[]")   # JSON: [{"name", "commands"}]: 
 parser.add_argument("--timed-steps", type=int, default=6)
 parser.add_argument("--warmup-steps", type=int, default=2)
 parser.add_argument("--until-killed", action="store_true")
+parser.add_argument("--compression", default=None)
 args = parser.parse_args()
 
 
@@ -87,6 +88,10 @@ class CountingComm(MPI.Intracomm):
         self._log("Allgatherv", sendbuf, recvbuf)
         return super().Allgatherv(sendbuf, recvbuf)
 
+    def Alltoall(self, sendbuf, recvbuf):
+        self._log("Alltoall", sendbuf, recvbuf)
+        return super().Alltoall(sendbuf, recvbuf)
+
     def Bcast(self, buf, root=0):
         self._log("Bcast", buf)
         return super().Bcast(buf, root)
@@ -100,7 +105,7 @@ world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
 comm = CountingComm(world)
 tf.keras.utils.set_random_seed(1)
-strategy = mpi_strategy.MPIStrategy(comm=comm)
+strategy = mpi_strategy.MPIStrategy(comm=comm, compression=args.compression)
 
 rng = np.random.default_rng(0)
 images = rng.random((2048, 784)).astype(np.float32)
@@ -256,6 +261,20 @@ def two_hosts(cluster, program, tmp_path_factory):
     phases = _phases(cluster)
     info = _launch(2, program, str(tmp_path_factory.mktemp("two_hosts")), cluster=cluster,
                    extra_args=["--phases", json.dumps(phases),
+                               "--timed-steps", str(TIMED_STEPS),
+                               "--warmup-steps", str(WARMUP_STEPS)])
+    info["phase_specs"] = phases
+    return info
+
+
+@pytest.fixture(scope="module")
+def two_hosts_float16(cluster, program, tmp_path_factory):
+    """2 namespace hosts training with compression="float16", then the 10 Mbit/s phase."""
+    phases = [p for p in _phases(cluster) if p["shaping"].get("rate_mbit", 10) == 10
+              and "delay_ms" not in p["shaping"]]
+    info = _launch(2, program, str(tmp_path_factory.mktemp("two_hosts_float16")),
+                   cluster=cluster,
+                   extra_args=["--compression", "float16", "--phases", json.dumps(phases),
                                "--timed-steps", str(TIMED_STEPS),
                                "--warmup-steps", str(WARMUP_STEPS)])
     info["phase_specs"] = phases
@@ -442,6 +461,40 @@ def test_step_time_follows_alpha_beta_model(two_hosts):
         lines.append("delay phases not run: this kernel has no netem qdisc (sch_netem)")
     print("\n" + "\n".join(lines))
     assert not failures, "\n".join(lines)
+
+
+def _extra_time_at(info, rate_mbit):
+    median = {p["name"]: float(np.median(p["step_times"])) for p in info["results"][0]["phases"]}
+    return median[f"rate {rate_mbit} Mbit/s"] - min(median["none"], median["none again"])
+
+
+def test_float16_compression_halves_gradient_bytes_and_bandwidth_time(two_hosts,
+                                                                      two_hosts_float16):
+    _assert_ran(two_hosts)
+    _assert_ran(two_hosts_float16)
+    compressed = two_hosts_float16["results"]
+    weights = compressed[0]["weights"]
+    # Both hosts end with the same weights, and the compressed run trained.
+    for w0, w1 in zip(weights, compressed[1]["weights"]):
+        np.testing.assert_array_equal(w0, w1)
+    assert compressed[0]["losses"][-1] < compressed[0]["losses"][0]
+
+    # The 784 x 128 kernel (401,408 bytes in float32; the only tensor over
+    # compression.MIN_BYTES) crosses as 16-bit values: rank 0 sends half of
+    # its Alltoall buffer and all of its Allgatherv slice, 2 x 100,352 bytes.
+    phase = compressed[0]["phases"][0]
+    step = phase["collectives"][:len(phase["collectives"]) // TIMED_STEPS]
+    kernel = weights[0].size
+    alltoall = [b for name, b in step if name == "Alltoall"]
+    assert alltoall == [kernel * 2], step
+    assert not [b for name, b in step if name == "Allreduce" and b >= kernel], step
+    assert [b for name, b in step if name == "Allgatherv" and b >= kernel // 2] == [
+        kernel + 8], step  # + the 8-byte row-count header
+
+    plain, half = _extra_time_at(two_hosts, 10), _extra_time_at(two_hosts_float16, 10)
+    print(f"\nextra step time at 10 Mbit/s: float32 {plain * 1e3:.1f} ms, "
+          f"float16 {half * 1e3:.1f} ms (ratio {half / plain:.2f})")
+    assert 0.35 <= half / plain <= 0.7, (plain, half)
 
 
 # -- 3. a host dies ----------------------------------------------------------------------------

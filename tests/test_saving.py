@@ -107,17 +107,23 @@ def test_a_kill_during_checkpoint_writes_leaves_the_latest_checkpoint_usable(tmp
     import sys
     import time
 
+    def writing(directory):  # a "<name>_temp" directory: a save in progress
+        return any(name.endswith("_temp") for name in os.listdir(directory))
+
     killed_mid_write = 0
-    for attempt in range(4):
+    for attempt in range(6):
         directory = str(tmp_path / f"ckpt{attempt}")
         child = subprocess.Popen([sys.executable, "-c", KEEP_SAVING, directory],
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert child.stdout.readline().strip() == "1"
-        time.sleep(1.0 + 0.37 * attempt)
+        # Kill as soon as a save is seen in progress (not after a fixed sleep,
+        # which on a loaded machine too often lands between two saves).
+        deadline = time.monotonic() + 20
+        while not writing(directory) and time.monotonic() < deadline:
+            time.sleep(0.0005)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
-        # A "<name>_temp" directory is a save that the kill interrupted.
-        killed_mid_write += any(name.endswith("_temp") for name in os.listdir(directory))
+        killed_mid_write += writing(directory)  # the kill interrupted that save
 
         latest = tf.train.latest_checkpoint(directory)
         number = int(latest.rsplit("-", 1)[1])
@@ -126,4 +132,4 @@ def test_a_kill_during_checkpoint_writes_leaves_the_latest_checkpoint_usable(tmp
         np.testing.assert_array_equal(restored.numpy()[[0, -1]], [number, number])
         if killed_mid_write:
             break
-    assert killed_mid_write, "no kill landed inside a checkpoint write in 4 attempts"
+    assert killed_mid_write, "no kill landed inside a checkpoint write in 6 attempts"
