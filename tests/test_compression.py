@@ -1,6 +1,5 @@
 """mpi_strategy.compression: 16-bit wire reductions, at any world size."""
 
-import ml_dtypes
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -11,7 +10,7 @@ from mpi_strategy import MPICrossDeviceOps, MPIStrategy, compression
 from mpi_strategy.errors import MPIStrategyError
 from mpi_strategy.mpi_ops import OrderedComm
 
-WIRE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+WIRE = {"float16": np.float16, "bfloat16": tf.bfloat16.as_numpy_dtype}
 SHAPES = [(300, 70), (70, 80), (5000,)]  # each over MIN_BYTES (16 KiB) in float32
 
 
