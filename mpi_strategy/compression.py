@@ -12,8 +12,10 @@ slice ``r`` to rank ``r`` (one Alltoall); rank ``r`` adds the p pieces of its
 slice in float32, in rank order, and rounds the sum to 16 bits once; one
 Allgather gives every rank every slice. So each element is rounded twice (the
 inputs and the sum, never the partial sums hop by hop; float64 values by way
-of float32), and every rank gets bit-identical results. float16 keeps 11 significant bits but overflows above
-65504; bfloat16 keeps float32's range with 8 significant bits.
+of float32), and every rank gets bit-identical results. float16 keeps 11 significant bits but a value or sum
+above 65504 becomes inf (a dynamic loss scale, as in Keras' mixed precision,
+backs off from it like from any overflow; otherwise prefer bfloat16);
+bfloat16 keeps float32's range with 8 significant bits.
 
 A policy is any object with ``allreduce(tensors, mpi, timeout)`` summing a
 list of tensors of one dtype over the ranks of ``mpi`` (an ``OrderedComm``).

@@ -136,3 +136,12 @@ def test_keras_fit_with_bfloat16_compression_keeps_ranks_identical():
     assert history.history["loss"][-1] < history.history["loss"][0]
     for w in model.get_weights():
         assert_same_on_all_ranks(w)
+
+
+def test_float16_overflow_is_inf_and_bfloat16_keeps_the_range(mpi):
+    if SIZE == 1:
+        pytest.skip("a 1-rank world sends nothing, so nothing is rounded")
+    big = [tf.fill([8192], 7e4)]  # 32 KB, above float16's largest value 65504
+    assert np.isinf(compression.resolve("float16").allreduce(big, mpi)[0].numpy()).all()
+    out = compression.resolve("bfloat16").allreduce(big, mpi)[0].numpy()
+    np.testing.assert_allclose(out, 7e4 * SIZE, rtol=2 ** -7)
