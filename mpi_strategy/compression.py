@@ -44,10 +44,11 @@ class SixteenBit(Exact):
 
     def allreduce(self, tensors, mpi, timeout=None):
         dtype = tensors[0].dtype
+        if mpi.size == 1 or dtype not in (tf.float32, tf.float64):
+            return super().allreduce(tensors, mpi, timeout)
         large = [i for i, t in enumerate(tensors)
-                 if dtype in (tf.float32, tf.float64) and mpi.size > 1
-                 and (t.shape.num_elements() or 0) * dtype.size >= MIN_BYTES]
-        small = [i for i in range(len(tensors)) if i not in large]
+                 if (t.shape.num_elements() or 0) * dtype.size >= MIN_BYTES]
+        small = sorted(set(range(len(tensors))) - set(large))
         results = [None] * len(tensors)
         if small:
             for i, r in zip(small, super().allreduce([tensors[i] for i in small], mpi, timeout)):

@@ -255,16 +255,21 @@ def _phases(cluster):
             for name, shaping in phases]
 
 
-@pytest.fixture(scope="module")
-def two_hosts(cluster, program, tmp_path_factory):
-    """2 namespace hosts: the compared training steps, then the timed shaping phases."""
-    phases = _phases(cluster)
-    info = _launch(2, program, str(tmp_path_factory.mktemp("two_hosts")), cluster=cluster,
-                   extra_args=["--phases", json.dumps(phases),
+def _timed_two_hosts(cluster, program, out_dir, phases, extra_args=()):
+    """2 namespace hosts: the compared training steps, then the timed ``phases``."""
+    info = _launch(2, program, out_dir, cluster=cluster,
+                   extra_args=[*extra_args, "--phases", json.dumps(phases),
                                "--timed-steps", str(TIMED_STEPS),
                                "--warmup-steps", str(WARMUP_STEPS)])
     info["phase_specs"] = phases
     return info
+
+
+@pytest.fixture(scope="module")
+def two_hosts(cluster, program, tmp_path_factory):
+    """2 namespace hosts: the compared training steps, then the timed shaping phases."""
+    return _timed_two_hosts(cluster, program, str(tmp_path_factory.mktemp("two_hosts")),
+                            _phases(cluster))
 
 
 @pytest.fixture(scope="module")
@@ -272,13 +277,8 @@ def two_hosts_float16(cluster, program, tmp_path_factory):
     """2 namespace hosts training with compression="float16", then the 10 Mbit/s phase."""
     phases = [p for p in _phases(cluster) if p["shaping"].get("rate_mbit", 10) == 10
               and "delay_ms" not in p["shaping"]]
-    info = _launch(2, program, str(tmp_path_factory.mktemp("two_hosts_float16")),
-                   cluster=cluster,
-                   extra_args=["--compression", "float16", "--phases", json.dumps(phases),
-                               "--timed-steps", str(TIMED_STEPS),
-                               "--warmup-steps", str(WARMUP_STEPS)])
-    info["phase_specs"] = phases
-    return info
+    return _timed_two_hosts(cluster, program, str(tmp_path_factory.mktemp("two_hosts_float16")),
+                            phases, extra_args=["--compression", "float16"])
 
 
 @pytest.fixture(scope="module")
