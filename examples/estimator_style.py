@@ -80,11 +80,9 @@ def train(strategy, model, loss_fn, optimizer, args):
     for global_step in range(start + 1, args.train_steps + 1):
         loss = float(step(next(iterator)))
         if global_step % args.checkpoint_every == 0 or global_step == args.train_steps:
-            # Model and optimizer hold no metric, but saving from every rank
-            # is the pattern that is always safe.
-            with mpi_strategy.only_chief_writes(manager_dir) as where:
-                tf.train.CheckpointManager(checkpoint, where, max_to_keep=3).save(
-                    checkpoint_number=global_step)
+            # Every rank saves, as one process would; rank 0 writes the files.
+            tf.train.CheckpointManager(checkpoint, manager_dir, max_to_keep=3).save(
+                checkpoint_number=global_step)
     return start, loss
 
 
@@ -123,8 +121,7 @@ def main():
     start, last_loss = train(strategy, model, loss_fn, optimizer, args)
     results = evaluate(strategy, model, loss_fn, args.global_batch)
     export_dir = os.path.join(args.model_dir, "export")
-    with mpi_strategy.only_chief_writes(export_dir) as where:
-        model.export(where, verbose=False)
+    model.export(export_dir, verbose=False)
     if strategy.extended.should_checkpoint:
         print(json.dumps({"ranks": strategy.cluster_resolver.num_workers,
                           "resumed_from_step": start, "step": args.train_steps,

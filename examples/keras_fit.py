@@ -51,8 +51,7 @@ def main():
               callbacks=[keras.callbacks.BackupAndRestore(os.path.join(args.output, "backup"))])
     loss, accuracy = model.evaluate(x_test, y_test, batch_size=args.batch_size, verbose=0)
     predictions = model.predict(x_test, batch_size=args.batch_size, verbose=0)
-    with mpi_strategy.only_chief_writes(os.path.join(args.output, "model.keras")) as path:
-        model.save(path)
+    model.save(os.path.join(args.output, "model.keras"))  # on every rank, written once
     if strategy.extended.should_checkpoint:
         print(f"test loss {loss:.4f}  accuracy {accuracy:.4f}  "
               f"predictions {predictions.shape}  saved {os.path.join(args.output, 'model.keras')}")

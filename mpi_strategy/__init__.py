@@ -17,10 +17,9 @@ logs.configure()
 from mpi_strategy.cluster_resolver import MPIClusterResolver  # noqa: E402
 from mpi_strategy.cross_device_ops import MPICrossDeviceOps  # noqa: E402
 from mpi_strategy.errors import MPIStrategyError  # noqa: E402
-from mpi_strategy.saving import only_chief_writes  # noqa: E402
+from mpi_strategy.saving import only_chief_writes  # noqa: E402,F401  (deprecated)
 from mpi_strategy.strategy import MPIStrategy  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["MPIStrategy", "MPICrossDeviceOps", "MPIClusterResolver", "MPIStrategyError",
-           "only_chief_writes"]
+__all__ = ["MPIStrategy", "MPICrossDeviceOps", "MPIClusterResolver", "MPIStrategyError"]

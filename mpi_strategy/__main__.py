@@ -5,7 +5,9 @@
 Every rank reports its host, MPI library, thread level, TensorFlow version and
 devices; then a reduction through MPIStrategy is checked against its known
 result. Rank 0 prints one line per rank and a verdict; the exit status is 0
-only if every rank passed.
+only if every rank passed. The reports travel as bytes (Gather of lengths,
+Gatherv of UTF-8 text), never as pickles, like everything else mpi_strategy
+sends.
 """
 
 import os
@@ -47,15 +49,40 @@ def main():
     except Exception as exc:  # report every failure; the verdict says which rank
         report["allreduce"] = f"FAILED: {type(exc).__name__}: {exc}"
 
-    reports = comm.gather(report, root=0)
+    passed = report["allreduce"] == "ok"
+    lines = _gather_lines(comm, "  ".join(f"{k}={v}" for k, v in report.items()), passed)
     if rank != 0:
-        return 0 if report["allreduce"] == "ok" else 1
+        return 0 if passed else 1
     print(f"mpi_strategy {_version()} on {size} rank(s)")
-    for r in reports:
-        print("  ".join(f"{k}={v}" for k, v in r.items()))
-    failed = [r["rank"] for r in reports if r["allreduce"] != "ok"]
+    for line, _ in lines:
+        print(line)
+    failed = [r for r, (_, ok) in enumerate(lines) if not ok]
     print("RESULT: ok" if not failed else f"RESULT: FAILED on ranks {failed}")
     return 1 if failed else 0
+
+
+def _gather_lines(comm, line, passed):
+    """On rank 0, every rank's ``(line, passed)`` in rank order (None elsewhere).
+
+    Byte buffers, not pickles: a Gather of (length, passed), then a Gatherv of
+    the UTF-8 bytes of every line.
+    """
+    import numpy as np
+    from mpi4py import MPI
+
+    data = np.frombuffer(line.encode("utf-8"), np.uint8)
+    mine = np.array([data.size, int(passed)], np.int64)
+    everyone = np.empty((comm.Get_size(), 2), np.int64) if comm.Get_rank() == 0 else None
+    comm.Gather(mine, everyone, root=0)
+    if comm.Get_rank() != 0:
+        comm.Gatherv(data, None, root=0)
+        return None
+    counts = everyone[:, 0].tolist()
+    received = np.empty(sum(counts), np.uint8)
+    comm.Gatherv(data, [received, (counts, None), MPI.BYTE], root=0)
+    ends = np.cumsum(counts).tolist()
+    return [(received[end - n:end].tobytes().decode("utf-8", errors="replace"), bool(ok))
+            for end, n, ok in zip(ends, counts, everyone[:, 1].tolist())]
 
 
 def _version():

@@ -6,12 +6,13 @@ as a single-process user expects:
 
 * ``predict`` returns every row of the input, in input order, on every rank
   (Keras only concatenates the local replicas' rows otherwise);
-* on ranks other than 0, the progress bar is off and callbacks whose only
-  effect is to write files (ModelCheckpoint, TensorBoard, CSVLogger) are
-  dropped; Keras 3's BackupAndRestore still restores there but never writes
-  (tf_keras's ModelCheckpoint and BackupAndRestore handle this themselves and
-  run on every rank). Every other callback (EarlyStopping, ReduceLROnPlateau,
-  ...) runs on every rank and sees the same logs, so all ranks decide alike.
+* on ranks other than 0, the progress bar is off. Every callback runs on
+  every rank and sees the same logs, so all ranks decide alike; the files
+  they write (ModelCheckpoint, BackupAndRestore, TensorBoard, CSVLogger) are
+  written once per filesystem, because the Keras functions and callback
+  methods listed in ``_KERAS_SITES`` are write points (``saving.py``). tf_keras's own
+  redirection of non-chief writes to temporary directories is turned off for
+  MPIStrategy: it would have every rank write.
 
 The wrappers act only for models whose strategy is an MPIStrategy. If a Keras
 release moves these symbols, the wrappers are skipped with a warning: training
@@ -24,6 +25,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
+from mpi_strategy import saving
 from mpi_strategy.logs import logger
 
 
@@ -32,30 +34,73 @@ class _Site(NamedTuple):
     trainer: str                # module defining reduce_per_replica
     callback_list: str          # module defining CallbackList
     callbacks: str              # public callbacks module
-    rank0_only: tuple           # callbacks dropped on other ranks
-    restore_only_backup: bool   # BackupAndRestore only restores on other ranks
+    write_calls: tuple          # saving.WriteCall fields of its functions that write files
 
 
+_KERAS3_BACKUP = ("backup_dir", "_weights_path", "_training_metadata_path",
+                  "_prev_weights_path", "_prev_training_metadata_path")
 _KERAS_SITES = {
-    # Keras 3 knows nothing of multi-worker training.
-    "keras": _Site("keras.src.backend.tensorflow.trainer", "keras.src.callbacks.callback_list",
-                   "keras.callbacks", ("ModelCheckpoint", "TensorBoard", "CSVLogger"), True),
-    # tf_keras's ModelCheckpoint and BackupAndRestore already write on the chief
-    # only (other ranks write to temporary directories), and must run everywhere.
-    "tf_keras": _Site("tf_keras.src.engine.training", "tf_keras.src.callbacks",
-                      "tf_keras.callbacks", ("TensorBoard", "CSVLogger"), False),
+    "keras": _Site(
+        "keras.src.backend.tensorflow.trainer", "keras.src.callbacks.callback_list",
+        "keras.callbacks", (
+            ("keras.src.saving.saving_lib", "save_model", "filepath", "memory"),
+            # (remote paths go through a local temporary file)
+            ("keras.src.saving.saving_lib", "save_weights_only", "filepath", "scratch"),
+            ("keras.src.legacy.saving.legacy_h5_format", "save_model_to_hdf5", "filepath",
+             "h5_memory"),
+            ("keras.src.export.saved_model:ExportArchive", "write_out", "filepath", "memory"),
+            ("keras.src.callbacks.model_checkpoint:ModelCheckpoint", "_save_model",
+             "self.filepath", "memory", ("filepath",)),
+            ("keras.src.callbacks.backup_and_restore:BackupAndRestore", "_save_model",
+             "self.backup_dir", "memory", _KERAS3_BACKUP),
+            ("keras.src.callbacks.backup_and_restore:BackupAndRestore", "on_train_end",
+             "self.backup_dir", "memory", _KERAS3_BACKUP),
+            ("keras.src.callbacks.csv_logger:CSVLogger", "on_train_begin", "self.filename",
+             "devnull", ("filename",)),
+            ("keras.src.callbacks.csv_logger:CSVLogger", "on_train_end", "self.filename", "same"),
+            ("keras.src.callbacks.tensorboard:TensorBoard", "on_train_end", "self.log_dir",
+             "same"),
+        )),
+    "tf_keras": _Site(
+        "tf_keras.src.engine.training", "tf_keras.src.callbacks", "tf_keras.callbacks", (
+            # (its .keras and .weights.h5 writers open local files only)
+            ("tf_keras.src.saving.saving_lib", "save_model", "filepath", "scratch"),
+            ("tf_keras.src.saving.saving_lib", "save_weights_only", "filepath", "scratch"),
+            ("tf_keras.src.saving.legacy.save", "save_model", "filepath", "memory"),
+            ("tf_keras.src.saving.legacy.save", "save_weights", "filepath", "skip_if_h5"),
+            ("tf_keras.src.saving.legacy.hdf5_format", "save_model_to_hdf5", "filepath",
+             "h5_memory"),
+            ("tf_keras.src.distribute.worker_training_state:WorkerTrainingState",
+             "delete_backup", "self.write_checkpoint_manager.directory", "skip"),
+            ("tf_keras.src.callbacks:CSVLogger", "on_train_begin", "self.filename", "devnull",
+             ("filename",)),
+            ("tf_keras.src.callbacks:CSVLogger", "on_train_end", "self.filename", "same"),
+            ("tf_keras.src.callbacks:TensorBoard", "on_train_end", "self.log_dir", "same"),
+        )),
 }
+# tf_keras sends non-chief writes of multi-worker strategies to temporary
+# directories (every rank writes); under MPIStrategy the write points decide.
+_TF_KERAS_FILE_UTILS = "tf_keras.src.distribute.distributed_file_utils"
+_TF_KERAS_TRAINING_STATE = "tf_keras.src.distribute.worker_training_state"
 _PATCHED = "_mpi_strategy_wrapped"
 
 
-def install_for_imported_kerases(strategy_class):
-    """Wraps the Keras implementations that this process has imported (idempotent)."""
+def install_for_imported_kerases(strategy_class, multi_rank):
+    """Wraps the Keras implementations that this process has imported (idempotent).
+
+    ``multi_rank``: the strategy spans several ranks, so saving must be adapted too.
+    """
     for package, site in _KERAS_SITES.items():
         if package not in sys.modules:
             continue  # imported later: wrapped at the next strategy.scope()
         try:
             _wrap_reduce_per_replica(importlib.import_module(site.trainer), strategy_class)
             _wrap_callback_list(site, strategy_class)
+            if multi_rank:
+                saving.install(site.write_calls)
+                if package == "tf_keras":
+                    _write_in_place(importlib.import_module(_TF_KERAS_FILE_UTILS),
+                                    strategy_class)
         except (ImportError, AttributeError) as exc:  # pragma: no cover - other Keras
             logger.warning(
                 "could not adapt %s (%s): predict() returns only this "
@@ -99,9 +144,7 @@ def _wrap_callback_list(site, strategy_class):
     original_init = callback_list_class.__init__
     if getattr(original_init, _PATCHED, False):
         return
-    callbacks_module = importlib.import_module(site.callbacks)
-    rank0_only = tuple(getattr(callbacks_module, name) for name in site.rank0_only)
-    backup = callbacks_module.BackupAndRestore
+    backup = importlib.import_module(site.callbacks).BackupAndRestore
 
     def __init__(self, callbacks=None, add_history=False, add_progbar=False, model=None,
                  **params):
@@ -111,11 +154,7 @@ def _wrap_callback_list(site, strategy_class):
                 if isinstance(c, backup) and hasattr(c, "_supported_strategies"):
                     # tf_keras's BackupAndRestore allow-lists strategy classes.
                     c._supported_strategies = tuple(c._supported_strategies) + (strategy_class,)
-            if not strategy.extended.should_checkpoint:
-                add_progbar = False
-                callbacks = [
-                    _restore_only(c) if site.restore_only_backup and isinstance(c, backup) else c
-                    for c in (callbacks or []) if not isinstance(c, rank0_only)]
+            add_progbar = add_progbar and strategy.extended.should_checkpoint
         original_init(self, callbacks, add_history=add_history, add_progbar=add_progbar,
                       model=model, **params)
 
@@ -123,13 +162,30 @@ def _wrap_callback_list(site, strategy_class):
     callback_list_class.__init__ = __init__
 
 
-def _restore_only(callback):
-    """Makes a BackupAndRestore on a non-chief rank restore at start and never write."""
-    for name in dir(callback):
-        if name.startswith("on_") and name != "on_train_begin" and callable(getattr(callback, name)):
-            setattr(callback, name, _do_nothing)
-    return callback
+def _write_in_place(file_utils, strategy_class):
+    """tf_keras's distributed_file_utils, for MPIStrategy: every rank names the real
+    path; and BackupAndRestore's training state: every rank saves the chief's backup."""
+    if getattr(file_utils.write_dirpath, _PATCHED, False):
+        return
+    state_class = importlib.import_module(_TF_KERAS_TRAINING_STATE).WorkerTrainingState
+    original_init = state_class.__init__
 
+    def __init__(self, model, *args, **kwargs):
+        original_init(self, model, *args, **kwargs)
+        if isinstance(model.distribute_strategy, strategy_class):
+            self.write_checkpoint_manager = self.read_checkpoint_manager
 
-def _do_nothing(*args, **kwargs):
-    del args, kwargs
+    state_class.__init__ = __init__
+    for name, in_place in (("write_dirpath", lambda path: path),
+                           ("write_filepath", lambda path: path),
+                           ("remove_temp_dirpath", lambda path: None),
+                           ("remove_temp_dir_with_filepath", lambda path: None)):
+        original = getattr(file_utils, name)
+
+        def replacement(path, strategy, original=original, in_place=in_place):
+            if isinstance(strategy, strategy_class):
+                return in_place(path)
+            return original(path, strategy)
+
+        setattr(replacement, _PATCHED, True)
+        setattr(file_utils, name, replacement)

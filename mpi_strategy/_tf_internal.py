@@ -5,6 +5,8 @@ import here means a new TF release breaks (at most) this file, loudly, at
 import time, instead of somewhere deep inside a training step.
 """
 
+import threading
+
 import tensorflow as tf
 
 from mpi_strategy.errors import MPIStrategyError
@@ -35,6 +37,7 @@ try:
     from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
     from tensorflow.python.distribute import distribute_utils as _distribute_utils
     from tensorflow.python.distribute import input_util as _input_util
+    from tensorflow.python.distribute import mirrored_run as _mirrored_run
     from tensorflow.python.distribute import mirrored_strategy as _mirrored_strategy
     from tensorflow.python.framework import ops as _ops
     from tensorflow.python.ops import control_flow_util as _control_flow_util
@@ -59,3 +62,50 @@ def in_xla_context():
 
 def is_mirrored(value):
     return _distribute_utils.is_mirrored(value)
+
+
+# Private hooks of StrategyExtendedV2 / MirroredExtended that MPIExtended
+# overrides (strategy.py):
+# * `_use_merge_call()`: read by `tf.__internal__.distribute.interim.maybe_merge_call`
+#   and `strategy_supports_no_merge_call` (Keras' optimizers and
+#   LossScaleOptimizer, tf_keras' optimizers and metrics), by
+#   ReplicaContext.all_reduce and by replica-context updates of aggregated
+#   variables (values.py). False means "synchronize without merge_call";
+#   MPIExtended answers False only where merge_call would fail (below).
+# * `_replica_ctx_all_reduce(reduce_op, value, options)`: what
+#   ReplicaContext.all_reduce and those variable updates call when
+#   `_use_merge_call()` is False.
+
+
+def merge_call_would_fail():
+    """True where MirroredStrategy's merge_call raises "`merge_call` called while
+    defining a new graph": in a replica thread whose current graph is not the one
+    its replica function is traced in (inside tf.cond, tf.while_loop or a nested
+    tf.function). The same test as mirrored_run._MirroredReplicaContext._merge_call."""
+    thread = threading.current_thread()
+    replica_thread_class = _mirrored_run._MirroredReplicaThread  # pylint: disable=protected-access
+    return isinstance(thread, replica_thread_class) and _ops.get_default_graph() is not thread.graph
+
+
+# TensorFlow functions that write files, made write points by saving.py (one
+# writer per filesystem when every rank calls them). Private ones: the
+# Checkpoint._write funnel (write, save, CheckpointManager.save),
+# TrackableSaver.save (the variables' files), the checkpoint index and sweep
+# helpers, and saved_model's save_and_return_nodes (tf.saved_model.save).
+WRITE_CALLS = (
+    ("tensorflow.python.checkpoint.checkpoint:Checkpoint", "_write", "file_prefix", "same"),
+    ("tensorflow.python.checkpoint.checkpoint:TrackableSaver", "save", "file_prefix", "memory"),
+    ("tensorflow.python.checkpoint.checkpoint_management", "update_checkpoint_state_internal",
+     "save_dir", "skip"),
+    ("tensorflow.python.checkpoint.checkpoint_management", "_delete_file_if_exists",
+     "filespec", "skip"),
+    ("tensorflow.python.saved_model.save", "save_and_return_nodes", "export_dir", "memory"),
+    ("tensorflow.python.ops.summary_ops_v2", "create_file_writer_v2", "logdir", "noop_writer"),
+    ("tensorflow._api.v2.summary", "create_file_writer", "logdir", "noop_writer"),
+    ("tensorflow._api.v2.compat.v2.summary", "create_file_writer", "logdir", "noop_writer"),
+)
+# Checkpoint methods that hand the write to a background thread when
+# CheckpointOptions(experimental_enable_async_checkpoint=True): saving.py makes
+# them write in the calling thread, where the ranks can meet.
+ASYNC_CHECKPOINT_CALLS = (("tensorflow.python.checkpoint.checkpoint:Checkpoint", "save"),
+                          ("tensorflow.python.checkpoint.checkpoint:Checkpoint", "write"))

@@ -7,6 +7,8 @@ import tensorflow as tf
 from mpi4py import MPI
 
 _HOST_BYTES = 256
+# What TensorFlow's resolvers count in num_accelerators() (not CPUs).
+_ACCELERATOR_TYPES = ("GPU", "TPU")
 
 
 class MPIClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
@@ -15,12 +17,17 @@ class MPIClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
     Code written for MultiWorkerMirroredStrategy that asks
     ``strategy.cluster_resolver.task_id == 0`` ("am I the chief?") keeps working.
     ``cluster_spec()`` lists each rank's host name (there are no ports: MPI,
-    not gRPC, connects the ranks).
+    not gRPC, connects the ranks). ``num_accelerators()`` counts the GPUs (or
+    TPUs) each rank drives, as TensorFlow's resolvers do: ``{"GPU": n}``, and
+    ``{}`` for ranks that compute on the CPU.
     """
 
     def __init__(self, comm, num_local_devices=None):
+        """``num_local_devices``: this rank's devices by type, e.g. ``{"GPU": 2}``
+        (CPUs may be listed; they are not accelerators)."""
         self._comm = comm
-        self._num_local_devices = dict(num_local_devices or {})
+        self._num_accelerators = {kind: int(n) for kind, n in (num_local_devices or {}).items()
+                                  if kind.upper() in _ACCELERATOR_TYPES and n}
         self._hosts = _gather_host_names(comm)
 
     @property
@@ -47,8 +54,10 @@ class MPIClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
         return ""  # no TF server: there is nothing to connect to
 
     def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+        # Every rank drives the same number of devices (MPIStrategy checks),
+        # so this rank's count holds for every task.
         del task_type, task_id, config_proto
-        return dict(self._num_local_devices)
+        return dict(self._num_accelerators)
 
 
 def _gather_host_names(comm):

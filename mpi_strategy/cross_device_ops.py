@@ -64,6 +64,11 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         return self._mpi.comm
 
     @property
+    def ordered_comm(self):
+        """The ``mpi_ops.OrderedComm`` that issues the collectives."""
+        return self._mpi
+
+    @property
     def _num_between_graph_workers(self):
         # TF skips reductions entirely when this is 1 and there is one replica.
         return self._mpi.size

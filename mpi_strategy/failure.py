@@ -15,7 +15,12 @@ import traceback
 from mpi4py import MPI
 
 _installed = threading.Lock()
-_state = {"hook": None}
+_state = {"hook": None, "aborting": False}
+
+
+def aborting():
+    """True once this process has started to abort the job (an uncaught exception)."""
+    return _state["aborting"]
 
 
 def abort_job_on_uncaught_exception(comm):
@@ -28,6 +33,7 @@ def abort_job_on_uncaught_exception(comm):
         previous = sys.excepthook
 
         def excepthook(exc_type, exc, tb):
+            _state["aborting"] = True  # MPICH's Abort may still run exit handlers
             rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
             if previous is not sys.__excepthook__:
                 previous(exc_type, exc, tb)  # a hook the program installed itself

@@ -11,8 +11,10 @@ passed to ``CollectiveReduceV2``).
 
 Inside each op, the ranks first agree on what the collective is
 (``rendezvous.py``): a mismatch raises the same error on every rank, and an
-optional timeout names the ranks that never arrived. Data crosses MPI as raw
-buffers, never as pickles.
+optional timeout names the ranks that never arrived. These errors are raised
+in the op's Python function, so inside ``tf.function`` TensorFlow hands them
+to the caller as ``tf.errors`` classes (``errors.py`` says which). Data
+crosses MPI as raw buffers, never as pickles.
 """
 
 import numpy as np
@@ -22,7 +24,7 @@ from mpi4py import MPI
 from mpi_strategy import _tf_internal
 from mpi_strategy import buffers
 from mpi_strategy import rendezvous as rendezvous_lib
-from mpi_strategy.errors import MPIStrategyError
+from mpi_strategy.errors import CollectiveMismatchError, MPIStrategyError
 
 # Dtypes MPI can sum natively. float16 / bfloat16 are summed in float32 by the
 # caller (MPI has no portable half-precision reduction).
@@ -45,7 +47,7 @@ class OrderedComm:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self._rendezvous = rendezvous_lib.Rendezvous(comm, name_missing_ranks)
+        self.rendezvous = rendezvous_lib.Rendezvous(comm, name_missing_ranks)
         self._pool = buffers.BufferPool()
         # The token must be a plain (non-distributed) variable: create it
         # outside any tf.function, on the host.
@@ -94,7 +96,7 @@ class OrderedComm:
                 f"mpi_strategy: cannot sum dtype(s) {sorted(d.name for d in dtypes)} in one "
                 f"MPI call; supported: one of {[d.name for d in REDUCIBLE_DTYPES]} "
                 "(float16/bfloat16 are summed in float32 by MPICrossDeviceOps).")
-        comm, rendezvous, pool = self.comm, self._rendezvous, self._pool
+        comm, rendezvous, pool = self.comm, self.rendezvous, self._pool
 
         def allreduce(*arrays):
             rendezvous.agree(rendezvous_lib.ALLREDUCE, arrays[0].dtype,
@@ -128,7 +130,7 @@ class OrderedComm:
         _check_not_xla("allgather")
         if self.size == 1:
             return [tf.identity(x) for x in tensors]
-        comm, rendezvous = self.comm, self._rendezvous
+        comm, rendezvous = self.comm, self.rendezvous
 
         def allgatherv(*arrays):
             arrays = [np.ascontiguousarray(a) for a in arrays]
@@ -157,11 +159,11 @@ class OrderedComm:
         _check_not_xla("alltoall")
         if self.size == 1:
             return tf.identity(x)
-        comm, rendezvous = self.comm, self._rendezvous
+        comm, rendezvous = self.comm, self.rendezvous
 
         def alltoall(array):
             if array.ndim == 0 or array.shape[0] != self.size:
-                raise MPIStrategyError(
+                raise CollectiveMismatchError(
                     f"mpi_strategy: alltoall needs one row per rank ({self.size}), got "
                     f"shape {array.shape}.")
             array = np.ascontiguousarray(array)
@@ -185,7 +187,7 @@ class OrderedComm:
         _check_not_xla("broadcast")
         if self.size == 1:
             return tf.identity(x)
-        comm, rendezvous = self.comm, self._rendezvous
+        comm, rendezvous = self.comm, self.rendezvous
 
         def bcast(array):
             rendezvous.agree(rendezvous_lib.BROADCAST, array.dtype, [array.shape],

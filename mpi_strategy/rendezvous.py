@@ -21,11 +21,15 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from mpi_strategy.errors import MPIStrategyError
+from mpi_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL = 1, 2, 3, 4
+# Not data collectives: the meetings of ``write_point.py`` (a save called on
+# every rank; the end of that save) and of the end of the program.
+WRITE, WRITE_DONE, FINALIZE = 5, 6, 7
 _KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "all_gather", BROADCAST: "broadcast",
-               ALLTOALL: "alltoall"}
+               ALLTOALL: "alltoall", WRITE: "a save", WRITE_DONE: "the end of a save",
+               FINALIZE: "the end of the program"}
 
 _DTYPES = [np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64, np.float16,
                                  np.bool_, np.uint8, np.int8, np.int16, np.uint16,
@@ -33,10 +37,11 @@ _DTYPES = [np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64, np.
 _DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
 
 # Signature fields: collective number; kind, dtype, elements (per row for
-# all_gather), number of tensors, a hash of their shapes and dtypes (these
-# must agree); rows and bytes sent (all_gather only, may differ between ranks).
-_SEQ, _KIND, _DTYPE, _COUNT, _TENSORS, _LAYOUT, _ROWS, _BYTES = range(8)
-_MUST_AGREE = slice(_KIND, _LAYOUT + 1)
+# all_gather), number of tensors, a hash of their shapes and dtypes (and of a
+# save's path), whether this rank is inside a save that only some ranks called
+# (these must agree); rows and bytes sent (all_gather only, may differ).
+_SEQ, _KIND, _DTYPE, _COUNT, _TENSORS, _LAYOUT, _ALONE, _ROWS, _BYTES = range(9)
+_MUST_AGREE = slice(_KIND, _ALONE + 1)
 
 _ANNOUNCE_TAG = 7
 
@@ -50,24 +55,31 @@ def _dtype_name(code):
     return _DTYPES[code].name if code < len(_DTYPES) else f"dtype#{code - 1000}"
 
 
-def signature(seq, kind, dtype, shapes, rows=0, nbytes=0):
+def signature(seq, kind, dtype, shapes, rows=0, nbytes=0, tag="", alone=False):
     """The fixed-size description of a collective that every rank compares.
 
     ``shapes``: the shapes that must agree (of each tensor packed into an
     allreduce; of a broadcast tensor; of a row of each all_gathered tensor).
     ``dtype``: one dtype, or one per shape (all_gather of several tensors).
+    ``tag``: text that must agree too (which save, of which path).
+    ``alone``: this rank is inside a save that the other ranks did not call.
     """
     shapes = [tuple(int(d) for d in shape) for shape in shapes]
     dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype]
     codes = [_dtype_code(d) for d in dtypes]
     count = sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes)
-    layout = zlib.crc32(repr((shapes, codes)).encode()) & 0x7FFFFFFF
-    return np.array([seq, kind, codes[0], count, len(shapes), layout, rows, nbytes], np.int64)
+    layout = zlib.crc32(repr((shapes, codes, tag)).encode()) & 0x7FFFFFFF
+    return np.array([seq, kind, codes[0], count, len(shapes), layout, int(alone), rows, nbytes],
+                    np.int64)
 
 
 def describe(signature):
     """What a signature means, in words (e.g. "allreduce of 10 float32 elements")."""
     kind, dtype = _KIND_NAMES.get(int(signature[_KIND]), "?"), _dtype_name(int(signature[_DTYPE]))
+    if signature[_KIND] in (WRITE, WRITE_DONE, FINALIZE):
+        return kind
+    if signature[_ALONE]:
+        kind = "(saving alone) " + kind
     if signature[_KIND] == ALLGATHER:
         if signature[_TENSORS] != 1:
             return (f"all_gather of {signature[_TENSORS]} tensors ({signature[_ROWS]} rows, "
@@ -95,6 +107,12 @@ _ORDER_ADVICE = (
     "in the same order. Common causes: reading a metric or calling strategy.reduce / "
     "gather on some ranks only (e.g. under `if rank == 0`), or ranks that build "
     "different models or take different branches in Python.")
+_ALONE_ADVICE = (
+    "A rank is saving alone (the other ranks did not make the same save call) and "
+    "the save reads a value that is summed over all ranks (a metric, or another "
+    "sync-on-read variable), which needs every rank. Make the save call on every "
+    "rank, as a one-process program does (mpi_strategy writes the files once), or "
+    "save only objects without metrics.")
 
 
 class Rendezvous:
@@ -110,8 +128,11 @@ class Rendezvous:
         self._announce_comm = comm.Dup() if name_missing_ranks and self._size > 1 else None
         self._last_seen = np.zeros(self._size, np.int64)  # last collective each rank entered
         self._sends = []
+        self.saving_alone = False  # set by write_point.py around a save only this rank made
+        self.alone_with = []       # after a WRITE some ranks missed: the ranks in the same one
+        self.usable = True         # False once a timeout left a request pending
 
-    def agree(self, kind, dtype, shapes, rows=0, nbytes=0, timeout=None):
+    def agree(self, kind, dtype, shapes, rows=0, nbytes=0, timeout=None, tag=""):
         """Blocks until every rank has entered this collective; raises if they differ.
 
         ``shapes`` must be equal on all ranks (see ``signature``); ``timeout``
@@ -120,9 +141,31 @@ class Rendezvous:
         Returns every rank's signature, one row per rank, identical on every
         rank (the last column is each rank's ``nbytes``, what it sends in an
         all_gather).
+
+        A ``WRITE`` (a save) that not every rank entered is not an error: it
+        returns None on the ranks that entered it (they save alone, as the
+        program asked; ``alone_with`` says with whom), and the other ranks meet
+        again, in the collective they were entering, once those ranks are done.
         """
         self._seq += 1
-        mine = signature(self._seq, kind, dtype, shapes, rows, nbytes)
+        while True:
+            everyone = self._exchange(
+                signature(self._seq, kind, dtype, shapes, rows, nbytes, tag,
+                          self.saving_alone), shapes, timeout)
+            writing = everyone[:, _KIND] == WRITE
+            differ = np.any(everyone[:, _MUST_AGREE] != everyone[0, _MUST_AGREE])
+            if not (differ and writing.any()):
+                break
+            if kind == WRITE:
+                self._seq -= 1  # the next collective takes this number
+                same = np.all(everyone[:, _KIND:] == everyone[self._rank, _KIND:], axis=1)
+                self.alone_with = np.flatnonzero(same).tolist()
+                return None
+        if differ:
+            self._raise_disagreement(everyone, shapes)
+        return everyone
+
+    def _exchange(self, mine, shapes, timeout):
         everyone = np.empty((self._size, mine.size), np.int64)
         if timeout is None:
             self._comm.Allgather(mine, everyone)
@@ -130,8 +173,6 @@ class Rendezvous:
             self._announce()
             self._wait(self._comm.Iallgather(mine, everyone), mine, shapes, timeout)
             self._collect_announcements()
-        if np.any(everyone[:, _MUST_AGREE] != everyone[0, _MUST_AGREE]):
-            self._raise_disagreement(everyone, shapes)
         return everyone
 
     # -- disagreement --------------------------------------------------------
@@ -140,8 +181,13 @@ class Rendezvous:
         if np.all(everyone[:, _KIND:_TENSORS + 1] == everyone[0, _KIND:_TENSORS + 1]):
             by_rank += " (same sizes, but the shapes differ between ranks)"
         kinds = set(everyone[:, _KIND].tolist())
-        advice = _ADVICE[int(everyone[0, _KIND])] if len(kinds) == 1 else _ORDER_ADVICE
-        raise MPIStrategyError(
+        if everyone[:, _ALONE].any():
+            advice = _ALONE_ADVICE
+        elif len(kinds) == 1 and int(everyone[0, _KIND]) in _ADVICE:
+            advice = _ADVICE[int(everyone[0, _KIND])]
+        else:
+            advice = _ORDER_ADVICE
+        raise CollectiveMismatchError(
             f"mpi_strategy: ranks disagree in an MPI collective (collective "
             f"#{everyone[self._rank, _SEQ]} of this communicator; this is rank {self._rank}, "
             f"shapes {_shapes_text(shapes)}). {by_rank}. {advice}")
@@ -180,7 +226,8 @@ class Rendezvous:
         pause = 0.0
         while not request.Test():
             if time.monotonic() > deadline:
-                raise MPIStrategyError(
+                self.usable = False
+                raise CollectiveTimeoutError(
                     f"mpi_strategy: timeout after {timeout:g} s on rank {self._rank} in "
                     f"{describe(mine)} (shapes {_shapes_text(shapes)}; "
                     f"collective #{self._seq} of this communicator): {self._missing()}. "

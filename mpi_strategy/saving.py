@@ -1,39 +1,247 @@
-"""Saving from a multi-rank job: every rank takes part, rank 0's copy is kept.
+"""The TensorFlow and Keras calls that write files become write points.
 
-Reading a metric (a sync-on-read variable) is a collective, and Keras saves
-metric state with the model (tf_keras always; Keras 3 when metrics hold
-state), so a save called on rank 0 alone can wait forever for the others.
-The safe pattern is for every rank to call the same save, and for only rank 0
-to write to the real destination.
+Each function or method listed in ``_tf_internal.WRITE_CALLS`` and in the
+``write_calls`` of ``_keras_internal._KERAS_SITES`` is wrapped once per
+process (when a strategy over several ranks is built) so that a call made on
+every rank writes once per filesystem and returns on every rank once the
+files are complete (``write_point.py``). A call made on some ranks only writes
+there, as before.
+On a rank that does not write, the call instead:
+
+* ``memory``: runs against an in-memory path (``ram://``), so that whatever
+  the save reads through a collective (metrics) is read on every rank;
+* ``h5_memory``: runs against an in-memory HDF5 file (h5py writes outside
+  TensorFlow's filesystems);
+* ``skip``: does nothing (index files, deletions of old checkpoints);
+* ``skip_if_h5``: does nothing for an HDF5 weights file (layer weights only,
+  never a collective read), else ``memory``;
+* ``noop_writer``: returns ``tf.summary.create_noop_writer()``;
+* ``devnull``: writes to ``os.devnull`` (a log file kept open across calls);
+* ``scratch``: runs against a path in a fresh local directory, in memory
+  (``/dev/shm``) where it has room, else in the temporary directory, deleted
+  right after (writers that open local files only);
+* ``same``: runs unchanged (its writes are already write points); the ranks
+  only meet before and after, so that the files are complete when it returns.
+
+Functions name the argument holding the path; methods name it ``self.<attr>``
+and list the attributes holding paths under it, which are pointed elsewhere
+for the call.
 """
 
 import contextlib
+import copy
+import functools
+import importlib
+import inspect
+import io
 import os
 import shutil
 import tempfile
+import warnings
+from typing import NamedTuple
 
-from mpi4py import MPI
+import tensorflow as tf
+
+from mpi_strategy import write_point
+from mpi_strategy.logs import logger
+
+_WRAPPED = "_mpi_strategy_write_point"
+
+
+class WriteCall(NamedTuple):
+    """One function or method that writes files (see the module docstring)."""
+    owner: str           # "package.module" or "package.module:Class"
+    name: str            # function or method name
+    path: str            # argument name, or "self.<attribute>"
+    instead: str         # what a rank that does not write does
+    attrs: tuple = ()    # (methods) attributes holding paths under ``path``
+
+
+def install(write_calls):
+    """Wraps each of ``write_calls`` (tuples of ``WriteCall`` fields) whose
+    module can be imported (idempotent)."""
+    for call in (WriteCall(*fields) for fields in write_calls):
+        module_name, _, class_name = call.owner.partition(":")
+        try:
+            owner = importlib.import_module(module_name)
+            if class_name:
+                owner = getattr(owner, class_name)
+            original = getattr(owner, call.name)
+        except (ImportError, AttributeError) as exc:  # pragma: no cover - other versions
+            logger.warning("mpi_strategy: cannot make %s.%s a write point (%s): every rank "
+                           "that calls it writes.", call.owner, call.name, exc)
+            continue
+        if not getattr(original, _WRAPPED, False):
+            setattr(owner, call.name, _wrap(original, call))
+
+
+def install_synchronous_checkpoints(methods):
+    """Makes ``methods`` (``_tf_internal.ASYNC_CHECKPOINT_CALLS``) ignore the
+    asynchronous-checkpoint option: a write point must run in the calling thread."""
+    for owner_name, name in methods:
+        module_name, _, class_name = owner_name.partition(":")
+        owner = getattr(importlib.import_module(module_name), class_name)
+        original = getattr(owner, name)
+        if getattr(original, _WRAPPED, False):
+            continue
+
+        def synchronous(self, file_prefix, options=None, original=original):
+            if options is not None and options.experimental_enable_async_checkpoint:
+                options = copy.copy(options)
+                options.experimental_enable_async_checkpoint = False
+                logger.warning("mpi_strategy: asynchronous checkpoints are written "
+                               "synchronously under MPIStrategy (every rank meets in the save).")
+            return original(self, file_prefix, options=options)
+
+        functools.update_wrapper(synchronous, original)
+        setattr(synchronous, _WRAPPED, True)
+        setattr(owner, name, synchronous)
+
+
+def _wrap(function, call):
+    signature = inspect.signature(function)
+    what = f"{call.owner.replace(':', '.')}.{call.name}"
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        path = _path_of(bound, call)
+        if write_point.role() == write_point.IN_MEMORY:  # inside an outer write point
+            if _replaced_when_nested(call, path):
+                return _instead(function, bound, call, path)
+            return function(*args, **kwargs)
+        if not write_point.applies(path):
+            return function(*args, **kwargs)
+        with write_point.write_point(path, what), _scope_of_model(bound):
+            if write_point.role() == write_point.IN_MEMORY:
+                return _instead(function, bound, call, path)
+            return function(*args, **kwargs)
+
+    setattr(wrapper, _WRAPPED, True)
+    return wrapper
+
+
+def _scope_of_model(bound):
+    """The scope of the strategy of the model being saved, if none is entered:
+    what tf_keras creates while saving (the metrics' variables of a model not
+    yet trained) must be the strategy's, summed over the ranks, not one rank's.
+    Only in a save every rank makes: creating a variable is a collective."""
+    from mpi_strategy.strategy import MPIStrategy  # pylint: disable=import-outside-toplevel
+    strategy = getattr(bound.arguments.get("model"), "distribute_strategy", None)
+    if (not isinstance(strategy, MPIStrategy) or tf.distribute.has_strategy()
+            or write_point.role() == write_point.WRITES_ALONE):
+        return contextlib.nullcontext()
+    return strategy.scope()
+
+
+def _replaced_when_nested(call, path):
+    """Whether a call inside an in-memory write point must be replaced too: yes,
+    unless it already writes where the outer call sent it (memory, scratch)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    path = os.fspath(path)
+    ours = path.startswith("ram://") or _in_scratch(path)
+    return not (ours and call.instead in ("memory", "scratch", "devnull", "same"))
+
+
+def _path_of(bound, call):
+    if call.path.startswith("self."):
+        value = bound.arguments["self"]
+        for name in call.path.split(".")[1:]:
+            value = getattr(value, name, None)
+        return value
+    return bound.arguments.get(call.path)
+
+
+def _instead(function, bound, call, path):
+    """What a rank that does not write for ``path`` does instead of ``function``."""
+    if call.instead == "skip" or (call.instead == "skip_if_h5" and _is_h5(bound, path)):
+        return None
+    if call.instead == "noop_writer":
+        return tf.summary.create_noop_writer()
+    if call.instead == "same":
+        return function(*bound.args, **bound.kwargs)
+    if call.instead == "skip_if_h5":
+        call = call._replace(instead="memory")
+    if call.instead == "h5_memory":
+        import h5py
+        with h5py.File(io.BytesIO(), "w") as memory_file:
+            bound.arguments[call.path] = memory_file
+            return function(*bound.args, **bound.kwargs)
+    path = os.fspath(path)
+    if call.instead == "scratch":
+        scratch = tempfile.mkdtemp(prefix="mpi_strategy-", dir=_scratch_root())
+        target = os.path.join(scratch, os.path.basename(os.path.normpath(path)))
+    else:
+        target = os.devnull if call.instead == "devnull" else write_point.memory_path(path)
+    try:
+        if call.attrs:
+            return _with_attributes_at(function, bound, call, path, target)
+        bound.arguments[call.path] = target
+        return _real_path_in(function(*bound.args, **bound.kwargs), target, path)
+    finally:
+        if call.instead == "scratch":
+            shutil.rmtree(scratch, ignore_errors=True)
+        elif target != os.devnull:
+            write_point.remove_memory_path(target)
+
+
+def _in_scratch(path):
+    return os.path.basename(os.path.dirname(os.fspath(path))).startswith("mpi_strategy-")
+
+
+_SHM_NEEDED = 2 << 30  # containers often give /dev/shm 64 MB: fall back to the disk
+
+
+def _scratch_root():
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    roomy = stat.f_bavail * stat.f_frsize >= _SHM_NEEDED
+    return "/dev/shm" if roomy and os.access("/dev/shm", os.W_OK) else None
+
+
+def _is_h5(bound, path):
+    save_format = str(bound.arguments.get("save_format") or "").lower()
+    return save_format in ("h5", "hdf5", "keras") or (
+        not save_format and os.fspath(path).endswith((".h5", ".hdf5", ".keras")))
+
+
+def _with_attributes_at(function, bound, call, path, target):
+    """Calls a method with its path attributes moved from ``path`` to ``target``."""
+    owner = bound.arguments["self"]
+    saved = {name: getattr(owner, name) for name in call.attrs}
+    for name, value in saved.items():
+        if target == os.devnull:
+            setattr(owner, name, target)
+        else:
+            relative = os.path.relpath(os.fspath(value), path) if value != path else ""
+            setattr(owner, name, os.path.join(target, relative) if relative else target)
+    try:
+        return function(*bound.args, **bound.kwargs)
+    finally:
+        for name, value in saved.items():
+            setattr(owner, name, value)
+
+
+def _real_path_in(result, target, path):
+    """``result`` with the in-memory path replaced by the real one (returned paths)."""
+    if isinstance(result, str) and result.startswith(target):
+        return path + result[len(target):]
+    if tf.is_tensor(result) and result.dtype == tf.string and result.shape.rank == 0:
+        text = result.numpy().decode()
+        if text.startswith(target):
+            return path + text[len(target):]
+    return result
 
 
 @contextlib.contextmanager
 def only_chief_writes(path, comm=None):
-    """Yields where this rank should save ``path``.
-
-    Rank 0 of ``comm`` (default ``COMM_WORLD``) gets ``path``; every other
-    rank gets a path of the same name in a scratch directory that is deleted
-    when the block ends. After the block, every rank can read ``path`` (all
-    ranks wait for rank 0's write)::
-
-        with mpi_strategy.only_chief_writes("model.keras") as path:
-            model.save(path)
-    """
-    comm = MPI.COMM_WORLD if comm is None else comm
-    if comm.Get_rank() == 0:
-        yield path
-    else:
-        scratch = tempfile.mkdtemp(prefix=f"mpi_strategy-rank{comm.Get_rank()}-")
-        try:
-            yield os.path.join(scratch, os.path.basename(os.path.normpath(path)))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    comm.Barrier()  # not reached on error: a failing rank must not stall the others here
+    """Deprecated: yields ``path``. A save made on every rank now writes once
+    per filesystem by itself (docs/checkpointing.md)."""
+    del comm
+    warnings.warn("mpi_strategy.only_chief_writes is no longer needed: call the save on "
+                  "every rank with the real path; it is written once.", DeprecationWarning,
+                  stacklevel=3)
+    yield path

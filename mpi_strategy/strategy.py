@@ -12,9 +12,10 @@ through ``MPICrossDeviceOps``.
 import tensorflow as tf
 from mpi4py import MPI
 
-from mpi_strategy import _keras_internal, _tf_internal
+from mpi_strategy import _keras_internal, _tf_internal, saving, write_point
 from mpi_strategy.cluster_resolver import MPIClusterResolver
 from mpi_strategy.cross_device_ops import MPICrossDeviceOps
+from mpi_strategy.errors import MPIStrategyError
 from mpi_strategy.failure import abort_job_on_uncaught_exception
 from mpi_strategy.logs import logger
 from mpi_strategy.validation import check_same_on_all_ranks, mpi_library, resolve_comm
@@ -61,13 +62,16 @@ class MPIStrategy(tf.distribute.Strategy):
                                communication_options=communication_options,
                                compression=compression)
         super().__init__(extended)
-        _keras_internal.install_for_imported_kerases(MPIStrategy)
+        self._adapt_keras()
 
     def scope(self):
         """As ``tf.distribute.Strategy.scope``; also adapts Keras imported since
-        construction (predict rows from all ranks, rank-0-only output)."""
-        _keras_internal.install_for_imported_kerases(MPIStrategy)
+        construction (predict rows from all ranks, rank-0-only output, saving)."""
+        self._adapt_keras()
         return super().scope()
+
+    def _adapt_keras(self):
+        _keras_internal.install_for_imported_kerases(MPIStrategy, self.extended.comm.Get_size() > 1)
 
     def __repr__(self):
         ext = self.extended
@@ -91,6 +95,9 @@ class MPIExtended(_tf_internal.MirroredExtended):
                 "tf.distribute.experimental.CommunicationOptions, got "
                 f"{type(communication_options).__name__}.")
         abort_job_on_uncaught_exception(comm)
+        if comm.Get_size() > 1:
+            saving.install(_tf_internal.WRITE_CALLS)
+            saving.install_synchronous_checkpoints(_tf_internal.ASYNC_CHECKPOINT_CALLS)
         self._comm = comm
         self._rank = comm.Get_rank()
         self._num_ranks = comm.Get_size()
@@ -99,6 +106,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         super().__init__(container_strategy, devices=devices,
                          cross_device_ops=MPICrossDeviceOps(comm, communication_options,
                                                             compression))
+        write_point.register(self._cross_device_ops.ordered_comm)
         # MirroredExtended defaults these to NCCL / single-process values.
         self._communication_options = communication_options
         self.experimental_enable_get_next_as_optional = True
@@ -161,7 +169,38 @@ class MPIExtended(_tf_internal.MirroredExtended):
 
     # -- communication: always MPI ---------------------------------------------
     def _use_merge_call(self):
-        return True  # XLA cannot compile MPI ops, so there is no merge-free path
+        # TF and Keras ask this before they synchronize replicas. merge_call
+        # (MirroredStrategy's path, where the MPI collectives run in cross-replica
+        # context) works only in the graph the replica function is traced in;
+        # inside a tf.cond, tf.while_loop or nested tf.function of that
+        # function it fails, and that is where Keras' optimizers synchronize
+        # with gradient_accumulation_steps or ema_overwrite_frequency. There,
+        # with one device per rank, the rank's only replica issues the MPI
+        # collectives itself (_replica_ctx_all_reduce below; variable updates
+        # go to its own copy). Several local devices must meet in merge_call.
+        # (XLA is no reason either way: the MPI ops reject it on both paths.)
+        if not _tf_internal.merge_call_would_fail():
+            return True
+        if len(self._devices) == 1:
+            return False
+        raise MPIStrategyError(
+            "mpi_strategy: replicas synchronize inside tf.cond, tf.while_loop or a "
+            "nested tf.function (as Keras optimizers do with gradient_accumulation_steps "
+            "or ema_overwrite_frequency); MPIStrategy supports this with one device "
+            f"per rank only, and this rank drives {len(self._devices)} devices. Launch "
+            "one rank per device instead (MPIStrategy(devices=[one device]) on each rank).")
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        # ReplicaContext.all_reduce and aggregated variable updates call this
+        # when _use_merge_call() is False: one replica per rank, so its value
+        # is the rank's contribution and one MPI reduction gives the result.
+        if self._use_merge_call():
+            return super()._replica_ctx_all_reduce(reduce_op, value, options)
+        options = self._communication_options.merge(options)
+        reduced = self._cross_device_ops.all_reduce_values(
+            reduce_op, tf.nest.flatten(value), timeout=options.timeout_seconds)
+        return tf.nest.pack_sequence_as(
+            value, [_tf_internal.simple_broadcast(r, self._devices[0]) for r in reduced])
 
     def _get_cross_device_ops(self, value):
         del value

@@ -8,13 +8,30 @@ import pytest
 import tensorflow as tf
 
 from mpi_testing import RANK, SIZE, WORLD, assert_same_on_all_ranks
-from mpi_strategy.errors import MPIStrategyError
+from mpi_strategy import rendezvous
+from mpi_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError
 from mpi_strategy.mpi_ops import OrderedComm
 
 
 @pytest.fixture(scope="module")
 def mpi():
     return OrderedComm(WORLD)
+
+
+def _raised(in_function, tf_error, ours, match, fn, *args):
+    """Calls ``fn(*args)`` and checks the exception class the caller sees
+    (the mapping documented in mpi_strategy/errors.py): eager, our own
+    ``ours`` (an MPIStrategyError and a ``tf_error``); inside tf.function,
+    TensorFlow's ``tf_error`` with our class name and message in its text."""
+    with pytest.raises(tf_error, match=match) as info:
+        fn(*args)
+    error = info.value
+    if in_function:
+        assert type(error) is tf_error and not isinstance(error, MPIStrategyError), type(error)
+        assert f"{ours.__name__}: mpi_strategy: " in error.message, error.message[:500]
+    else:
+        assert type(error) is ours and isinstance(error, MPIStrategyError), type(error)
+    return error
 
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float64, tf.int32, tf.int64])
@@ -76,7 +93,7 @@ def test_shapes_that_differ_with_equal_sizes_raise_on_every_rank(mpi):
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
     x = tf.zeros([2, 3] if RANK == 0 else [3, 2])
-    with pytest.raises((MPIStrategyError, tf.errors.OpError),
+    with pytest.raises(CollectiveMismatchError,
                        match="same sizes, but the shapes differ between ranks"):
         mpi.allreduce_sum(x)
 
@@ -103,7 +120,7 @@ def test_allgather_mismatched_rows_raise_on_every_rank(mpi):
     x = tf.zeros([1, 2 + RANK])
     by_rank = "; ".join(f"rank {r}: all_gather of 1 rows of {2 + r} float32 elements"
                         for r in range(SIZE))
-    with pytest.raises((MPIStrategyError, tf.errors.OpError), match=re.escape(by_rank)):
+    with pytest.raises(CollectiveMismatchError, match=re.escape(by_rank)):
         mpi.allgather(x)
 
 
@@ -130,7 +147,7 @@ def test_allgather_many_dtype_mismatch_raises_on_every_rank(mpi):
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
     dtype = tf.int32 if RANK == 0 else tf.int64
-    with pytest.raises((MPIStrategyError, tf.errors.OpError),
+    with pytest.raises(CollectiveMismatchError,
                        match=r"ranks disagree .*all_gather of 2 tensors"):
         mpi.allgather_many([tf.zeros([1, 2]), tf.zeros([3], dtype)])
     assert float(mpi.allreduce_sum(tf.constant(1.0))) == SIZE  # still usable
@@ -145,7 +162,7 @@ def test_broadcast_takes_rank0_value(mpi):
 def test_broadcast_size_mismatch_raises_on_every_rank(mpi):
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
-    with pytest.raises((MPIStrategyError, tf.errors.OpError),
+    with pytest.raises(CollectiveMismatchError,
                        match=rf"ranks disagree .* rank {RANK}: broadcast of {RANK + 1} float32"):
         mpi.broadcast(tf.zeros([RANK + 1]))
 
@@ -156,9 +173,10 @@ def test_allreduce_shape_mismatch_raises_on_every_rank(mpi, in_function):
         pytest.skip("needs two ranks to disagree")
     fn = tf.function(mpi.allreduce_sum) if in_function else mpi.allreduce_sum
     by_rank = "; ".join(f"rank {r}: allreduce of {2 + r} float32 elements" for r in range(SIZE))
-    with pytest.raises((MPIStrategyError, tf.errors.OpError),
-                       match=rf"ranks disagree .*shapes \({2 + RANK},\)\)\. {re.escape(by_rank)}"):
-        fn(tf.zeros([2 + RANK]))
+    # Eager: CollectiveMismatchError; tf.function: tf.errors.InvalidArgumentError.
+    _raised(in_function, tf.errors.InvalidArgumentError, CollectiveMismatchError,
+            rf"ranks disagree .*shapes \({2 + RANK},\)\)\. {re.escape(by_rank)}",
+            fn, tf.zeros([2 + RANK]))
     # The communicator is still usable afterwards.
     assert float(mpi.allreduce_sum(tf.constant(1.0))) == SIZE
 
@@ -169,7 +187,7 @@ def test_dtype_mismatch_raises_on_every_rank(mpi):
     dtype = tf.float64 if RANK == 0 else tf.float32
     by_rank = "; ".join(f"rank {r}: allreduce of 3 {'float64' if r == 0 else 'float32'} elements"
                         for r in range(SIZE))
-    with pytest.raises((MPIStrategyError, tf.errors.OpError), match=re.escape(by_rank)):
+    with pytest.raises(CollectiveMismatchError, match=re.escape(by_rank)):
         mpi.allreduce_sum(tf.zeros([3], dtype))
 
 
@@ -183,10 +201,10 @@ def test_different_collectives_on_different_ranks_raise_on_every_rank(mpi, in_fu
         return mpi.allreduce_sum(x) if RANK == 0 else mpi.broadcast(x)
 
     fn = tf.function(step) if in_function else step
-    with pytest.raises((MPIStrategyError, tf.errors.OpError),
-                       match=r"rank 0: allreduce of 4 float32 elements; rank 1: broadcast of 4 "
-                             r"float32 elements.*running different collectives"):
-        fn(tf.ones([4]))
+    _raised(in_function, tf.errors.InvalidArgumentError, CollectiveMismatchError,
+            r"rank 0: allreduce of 4 float32 elements; rank 1: broadcast of 4 "
+            r"float32 elements.*running different collectives",
+            fn, tf.ones([4]))
     assert float(mpi.allreduce_sum(tf.constant(1.0))) == SIZE  # still usable
 
 
@@ -207,6 +225,38 @@ def test_collectives_with_a_timeout_wait_for_late_ranks(in_function):
         np.testing.assert_array_equal(
             gathered.numpy(), np.concatenate([np.full([r + 1], r + 1.0) for r in range(SIZE)]))
         np.testing.assert_array_equal(broadcast.numpy(), np.ones([5]))
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+def test_a_timeout_is_deadline_exceeded_in_eager_and_unknown_in_a_function(in_function):
+    """Rank 0 enters a collective that the other ranks never reach."""
+    if SIZE == 1:
+        pytest.skip("needs a rank that does not come")
+    comm = WORLD.Dup()  # unusable after the timeout: a communicator of its own
+    mpi = OrderedComm(comm)
+
+    def step(x):
+        return mpi.allreduce_sum(x, timeout=0.5)
+
+    fn = tf.function(step) if in_function else step
+    try:
+        if RANK == 0:
+            # Eager: CollectiveTimeoutError; tf.function: tf.errors.UnknownError.
+            _raised(in_function, tf.errors.UnknownError if in_function
+                    else tf.errors.DeadlineExceededError, CollectiveTimeoutError,
+                    r"timeout after 0.5 s on rank 0 in allreduce of 4 float32 elements "
+                    r"\(shapes \(4,\); collective #1 of this communicator\): some ranks "
+                    r"never reached it", fn, tf.ones([4]))
+    finally:
+        WORLD.Barrier()  # rank 0 has timed out
+        if RANK != 0:
+            # Complete rank 0's pending signature exchange (not the data that
+            # would follow), so that no request is left pending, while rank 0
+            # waits in the barrier below, which progresses it.
+            rendezvous.Rendezvous(comm).agree(rendezvous.ALLREDUCE, np.float32, [(4,)],
+                                              timeout=60)
+        WORLD.Barrier()
+        comm.Free()
 
 
 def _rank_dependent_delay(x, seconds):

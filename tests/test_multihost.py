@@ -1,14 +1,17 @@
 """The same program across "hosts": network namespaces joined by TCP (tests/netns_cluster.py).
 
-Launches the real MPICH hydra ``mpiexec`` with one rank per namespace host and
+Launches the real MPICH hydra ``mpiexec`` with ranks on namespace hosts and
 checks that (1) training gives the results of a single-host run with as many
 ranks, (2) the step time grows with a rate-limited (and, where the kernel has
-netem, delayed) link as an alpha-beta cost model predicts, and (3) killing
-one host's rank ends the whole job promptly, leaving nothing running.
+netem, delayed) link as an alpha-beta cost model predicts, (3) killing
+one host's rank ends the whole job promptly, leaving nothing running, and
+(4) a save made on every rank lands once on a shared filesystem and once per
+host on node-local disks (write_point.py).
 
-Four launches in all (single host at 2 and 3 ranks, 2 and 3 namespace hosts);
-the namespaces are created once for the module. Skipped without root,
-iproute2, namespace support, or MPICH's hydra. See docs/multihost.md.
+Five launches in all (single host at 2 and 3 ranks, 2 and 3 namespace hosts,
+and 2 hosts x 2 ranks with a node-local directory); the namespaces are created
+once for the module, but (4) has its own. Skipped without root, iproute2,
+namespace support, or MPICH's hydra. See docs/multihost.md.
 """
 
 import json
@@ -32,6 +35,9 @@ RATES_MBIT = (40, 10)    # tbf rate limits of the cost-model test
 DELAYS_MS = (5, 20)      # netem delays of the cost-model test (if the kernel has netem)
 TIMED_STEPS, WARMUP_STEPS = 6, 2
 KILL_DEADLINE_S = 30
+# What a rank that does not save may write: autograph's sources on a first call,
+# and Keras's temporary directory in /tmp on every .keras save (~8-16 KiB).
+FIRST_CALL_BYTES = 64 << 10
 
 # One program for every launch. Each rank writes its losses, weights, host and
 # the collectives it issued (counted by a COMM_WORLD wrapper) to --out.
@@ -174,17 +180,22 @@ if args.until_killed:
 
 
 # -- fixtures ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cluster():
+def _new_cluster(n_hosts, **options):
+    """An entered NetnsCluster (the caller closes it), or a skip saying why not."""
     reason = netns_cluster.unavailable_reason()
     if reason is None and is_open_mpi():
         reason = "the namespace launcher agent is written for MPICH's hydra mpiexec"
     if reason:
         pytest.skip(f"multi-host tests skipped: {reason}")
     try:
-        hosts = netns_cluster.NetnsCluster(3).__enter__()
+        return netns_cluster.NetnsCluster(n_hosts, **options).__enter__()
     except netns_cluster.NetnsUnavailable as e:
         pytest.skip(f"multi-host tests skipped: cannot create network namespaces here ({e})")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    hosts = _new_cluster(3)
     try:
         yield hosts
     finally:
@@ -515,3 +526,156 @@ def test_killing_one_host_ends_the_job(three_hosts):
     assert info["left_in_namespaces"] == {}, "processes left on the hosts"
     assert info["left_in_root"] == [], "processes of the job left on the launching node"
     assert info["all_gone"] - info["killed"]["at"] < KILL_DEADLINE_S
+
+
+# -- 4. saving on a shared filesystem and on node-local disks -----------------------------------
+# Every rank runs the same saves with the same paths, then loads what it saved
+# from its own view of the path. Each rank writes its report to --out.
+SAVE_PROGRAM = r"""
+import argparse, json, os, socket
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np
+from mpi4py import MPI
+import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)
+import keras
+import mpi_strategy
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--dirs", nargs="+", required=True)   # place=directory
+args = parser.parse_args()
+world = MPI.COMM_WORLD
+rank, size = world.Get_rank(), world.Get_size()
+FEATURES, UNITS = 256, 1024  # ~1 MB of weights, ~3 MB with Adam's slots: a copy stands out
+
+
+def written_bytes():
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
+
+
+def new_model():
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(UNITS, activation="relu"),
+                             keras.layers.Dense(2)])
+
+
+strategy = mpi_strategy.MPIStrategy()
+with strategy.scope():
+    model = new_model()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+batch = 2 * size
+x = np.linspace(0, 1, batch * FEATURES, dtype=np.float32).reshape(batch, FEATURES)
+model.fit(x, np.ones((batch, 2), np.float32), batch_size=batch, epochs=1, verbose=0)
+expected = model.get_weights()
+
+
+def save_checkpoint(directory):
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    tf.train.CheckpointManager(checkpoint, os.path.join(directory, "ckpt"), 1).save()
+
+
+def load_checkpoint(directory):
+    # Into a model of this rank alone: a load never meets the other ranks.
+    path = tf.train.latest_checkpoint(os.path.join(directory, "ckpt"))
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint in {directory}/ckpt")
+    fresh = new_model()
+    status = tf.train.Checkpoint(model=fresh).restore(path).expect_partial()
+    status.assert_existing_objects_matched()
+    return fresh.get_weights()
+
+
+def save_keras(directory):
+    model.save(os.path.join(directory, "x.keras"))
+
+
+def load_keras(directory):
+    return keras.models.load_model(os.path.join(directory, "x.keras")).get_weights()
+
+
+SAVES = {"CheckpointManager.save": (save_checkpoint, load_checkpoint),
+         "keras.Model.save": (save_keras, load_keras)}
+node = world.Split_type(MPI.COMM_TYPE_SHARED)
+report = {"rank": rank, "host": socket.gethostname(), "node_rank": node.Get_rank(),
+          "node_size": node.Get_size(), "saves": {}}
+for place, directory in (d.split("=", 1) for d in args.dirs):
+    for name, (save, load) in SAVES.items():
+        before = written_bytes()
+        save(directory)
+        entry = {"write_bytes": written_bytes() - before, "loaded": False}
+        try:
+            weights = load(directory)
+            entry["loaded"] = len(weights) == len(expected) and all(
+                np.array_equal(a, b) for a, b in zip(weights, expected))
+        except Exception as e:  # reported; the test fails on it
+            entry["error"] = f"{type(e).__name__}: {e}"[:500]
+        report["saves"][f"{place} {name}"] = entry
+with open(os.path.join(args.out, f"report{rank}.json"), "w") as f:
+    json.dump(report, f)
+"""
+RANKS_PER_HOST = 2
+
+
+def _files(directory):
+    return {os.path.relpath(os.path.join(d, f), directory): os.path.getsize(os.path.join(d, f))
+            for d, _, files in os.walk(directory) for f in files}
+
+
+def test_save_lands_once_per_filesystem_shared_and_node_local(tmp_path):
+    """2 hosts x 2 ranks save into a shared directory and into a node-local one."""
+    shared, local, out = tmp_path / "shared", tmp_path / "local", tmp_path / "out"
+    shared.mkdir()
+    out.mkdir()
+    program = tmp_path / "save.py"
+    program.write_text(SAVE_PROGRAM)
+    hosts = _new_cluster(2, private_dirs=(str(local),))
+    try:
+        n = hosts.n_hosts * RANKS_PER_HOST
+        argv = [*hosts.mpiexec_args(ranks_per_host=RANKS_PER_HOST), sys.executable,
+                str(program), "--out", str(out), "--dirs", f"shared={shared}", f"local={local}"]
+        code, output = run_mpiexec(n, argv, timeout=300, env=hosts.mpi_env())
+        assert code == 0, output[-5000:]
+        reports = [json.loads((out / f"report{r}.json").read_text()) for r in range(n)]
+        copies = {"shared": {"all": _files(shared)}, "local": {
+            h: _files(hosts.private_copy(h, str(local))) for h in hosts.hosts}}
+        local_seen_from_root = _files(local)
+    finally:
+        hosts.close()
+
+    # The layout the write points rely on: ranks fill hosts in order, and each
+    # host is one MPI node (COMM_TYPE_SHARED), whatever its hostname.
+    assert [(r["host"], r["node_rank"], r["node_size"]) for r in reports] == [
+        (h, i, RANKS_PER_HOST) for h in hosts.hosts for i in range(RANKS_PER_HOST)]
+    writers = {"shared": {0}, "local": {min(r["rank"] for r in reports if r["host"] == h)
+                                         for h in hosts.hosts}}
+    lines, failures = [], []
+    for key in reports[0]["saves"]:
+        place = key.split()[0]
+        row = {r["rank"]: r["saves"][key] for r in reports}
+        lines.append(f"{key}: write_bytes per rank "
+                     f"{ {rank: e['write_bytes'] for rank, e in row.items()} }")
+        for rank, entry in row.items():
+            if not entry["loaded"]:
+                failures.append(f"{key}: rank {rank} could not load its copy: "
+                                f"{entry.get('error', 'different weights')}")
+            written = entry["write_bytes"]
+            if rank in writers[place] and written < 1 << 20:
+                failures.append(f"{key}: rank {rank} should write its filesystem's copy "
+                                f"but wrote {written} bytes")
+            if rank not in writers[place] and written > FIRST_CALL_BYTES:
+                failures.append(f"{key}: rank {rank} wrote {written} bytes (a second copy?)")
+    lines += [f"{place} copy at {where}: {sorted(files)} ({sum(files.values())} bytes)"
+              for place, by_host in copies.items() for where, files in by_host.items()]
+    print("\n" + "\n".join(lines))
+    assert not failures, "\n".join(failures + lines)
+
+    # One complete copy per filesystem and nothing else (no probe files, no
+    # temporary files): the shared directory holds one, each host's node-local
+    # directory its own, and the node-local writes never reached the shared disk.
+    expected = {"ckpt/checkpoint", "ckpt/ckpt-1.index", "ckpt/ckpt-1.data-00000-of-00001",
+                "x.keras"}
+    assert set(copies["shared"]["all"]) == expected, copies
+    for host, files in copies["local"].items():
+        assert set(files) == expected, (host, copies)
+    assert local_seen_from_root == {}

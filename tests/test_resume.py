@@ -5,8 +5,8 @@ test and printed) and relaunched with the same command. The relaunched job
 resumes from the last checkpoint and ends with exactly the weights of a run
 that was never interrupted. Two ways of resuming are checked:
 
-* a custom loop with ``tf.train.CheckpointManager`` (rank 0 writes through
-  ``only_chief_writes``, every rank restores). The input position is not
+* a custom loop with ``tf.train.CheckpointManager`` (saved on every rank,
+  written by rank 0, restored by every rank). The input position is not
   checkpointed: the pipeline is a function of the global step
   (``skip(step * global_batch)`` of one fixed stream, then shard), so it
   resumes at the right example at any world size;
@@ -113,9 +113,8 @@ def custom(ckpt_dir, kill_step):
     for step, batch in enumerate(examples(start), start=start + 1):
         train_step(batch)
         if step % CKPT_EVERY == 0:  # every rank saves, rank 0 writes
-            with mpi_strategy.only_chief_writes(ckpt_dir) as where:
-                tf.train.CheckpointManager(checkpoint, where, max_to_keep=2).save(
-                    checkpoint_number=step)
+            tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=2).save(
+                checkpoint_number=step)
         if rank == 1 and step == kill_step:
             kill_myself(step)
     return model

@@ -1,88 +1,328 @@
-"""mpi_strategy.saving and checkpoints: rank 0 writes, every rank restores."""
+"""Saving as a one-process program does: every rank makes the same call.
+
+Each TensorFlow and Keras API that writes, called on every rank with the same
+path, leaves one complete copy (written by rank 0; the other ranks write
+nothing to disk), returns on every rank only once that copy is complete (a
+load right after succeeds everywhere), and holds what the model holds. A save
+made on rank 0 alone still works, and one that cannot (it reads a metric, a
+collective) fails with the cause on every rank instead of hanging.
+"""
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras
+
+from launch import python_argv, run_mpiexec
+from mpi_testing import NUM_REPLICAS, RANK, SIZE, WORLD, assert_same_on_all_ranks
 
 import mpi_strategy
-from mpi_testing import RANK, WORLD, assert_same_on_all_ranks
+
+FEATURES, UNITS = 256, 1024  # >= 1 MB per artifact: a non-writer's copy would stand out
+FIRST_CALL_BYTES = 64 << 10  # what a first call may write anywhere (autograph's sources)
+BATCH = 2 * NUM_REPLICAS  # equal pieces per replica (Keras builds from the first batch)
 
 
+def written_bytes():
+    """Bytes this process has sent to storage so far (Linux /proc; not tmpfs)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
 
 
-def make_model(strategy, seed):
-    tf.random.set_seed(seed)
+def build(K, strategy):
+    """A compiled, trained model whose metrics hold state (sync-on-read variables)."""
     with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2)])
-        optimizer = tf.keras.optimizers.Adam(0.1)
-        optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def train_step():
-        def replica_step():
-            x = tf.ones([2, 3]) * tf.cast(
-                tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32)
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(model(x) ** 2) / 10.0
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        strategy.run(replica_step)
-
-    return model, optimizer, train_step
+        model = K.Sequential([K.Input((FEATURES,)), K.layers.Dense(UNITS, activation="relu"),
+                              K.layers.Dense(2)])
+        model.compile(optimizer=K.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    x = np.linspace(0, 1, 2 * BATCH * FEATURES, dtype=np.float32).reshape(2 * BATCH, FEATURES)
+    model.fit(x, np.ones((2 * BATCH, 2), np.float32), batch_size=BATCH, epochs=1, verbose=0)
+    return model
 
 
-def test_rank0_writes_checkpoint_every_rank_restores_and_continues(strategy, shared_dir):
-    model, optimizer, train_step = make_model(strategy, seed=1)
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-    directory = os.path.join(shared_dir, "ckpt")
-    for _ in range(2):
-        train_step()
-    if strategy.extended.should_checkpoint:
-        # Model and optimizer hold no metric: rank 0 alone may save.
-        tf.train.CheckpointManager(checkpoint, directory, max_to_keep=2).save()
+@pytest.fixture(scope="module")
+def models(strategy):
+    return {"keras": build(keras, strategy), "tf_keras": build(tf_keras, strategy)}
+
+
+def _checkpoint_of(model):
+    return tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+
+
+def _restored_checkpoint(model, path):
+    fresh = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    fresh.restore(path).assert_existing_objects_matched()
+    return model.get_weights()
+
+
+# name: (Keras, save(model, path) -> path to load, load(model, path) -> weights)
+SAVES = {
+    "Checkpoint.save": ("keras", lambda m, p: _checkpoint_of(m).save(os.path.join(p, "ckpt")),
+                        _restored_checkpoint),
+    "Checkpoint.write": ("keras", lambda m, p: _checkpoint_of(m).write(os.path.join(p, "ckpt")),
+                         lambda m, p: (_checkpoint_of(m).read(p), m.get_weights())[1]),
+    "CheckpointManager.save": (
+        "keras", lambda m, p: [tf.train.CheckpointManager(_checkpoint_of(m), p, 1).save()
+                               for _ in range(2)][-1],
+        lambda m, p: _restored_checkpoint(m, tf.train.latest_checkpoint(os.path.dirname(p)))),
+    "tf.saved_model.save": ("keras", lambda m, p: (tf.saved_model.save(m, p), p)[1],
+                            lambda m, p: _saved_model_arrays(p)),
+    "keras.Model.save": ("keras", lambda m, p: (m.save(p + ".keras"), p + ".keras")[1],
+                         lambda m, p: keras.models.load_model(p).get_weights()),
+    "keras.Model.save_weights": (
+        "keras", lambda m, p: (m.save_weights(p + ".weights.h5"), p + ".weights.h5")[1],
+        lambda m, p: (m.load_weights(p), m.get_weights())[1]),
+    "keras.Model.export": ("keras", lambda m, p: (m.export(p, verbose=False), p)[1],
+                           lambda m, p: _saved_model_arrays(p)),
+    "tf_keras.Model.save(SavedModel)": ("tf_keras", lambda m, p: (m.save(p), p)[1],
+                                        lambda m, p: tf_keras.models.load_model(p).get_weights()),
+    "tf_keras.Model.save(.h5)": ("tf_keras", lambda m, p: (m.save(p + ".h5"), p + ".h5")[1],
+                                 lambda m, p: tf_keras.models.load_model(p).get_weights()),
+    "tf_keras.Model.save(.keras)": (
+        "tf_keras", lambda m, p: (m.save(p + ".keras"), p + ".keras")[1],
+        lambda m, p: tf_keras.models.load_model(p).get_weights()),
+    "tf_keras.Model.save_weights(tf)": (
+        "tf_keras", lambda m, p: (m.save_weights(p), p)[1],
+        lambda m, p: (m.load_weights(p), m.get_weights())[1]),
+    "tf_keras.Model.save_weights(.h5)": (
+        "tf_keras", lambda m, p: (m.save_weights(p + ".h5"), p + ".h5")[1],
+        lambda m, p: (m.load_weights(p), m.get_weights())[1]),
+}
+
+
+def _saved_model_arrays(path):
+    """The arrays of a SavedModel (it loads: served by ``tf.saved_model.load``)."""
+    assert tf.saved_model.load(path) is not None
+    reader = tf.train.load_checkpoint(os.path.join(path, "variables", "variables"))
+    return [reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")]
+
+
+def _files_under(directory):
+    return sorted(os.path.relpath(os.path.join(d, f), directory)
+                  for d, _, files in os.walk(directory) for f in files)
+
+
+@pytest.mark.parametrize("api", list(SAVES))
+def test_a_save_on_every_rank_lands_once_and_loads_everywhere(models, strategy, shared_dir, api):
+    K, save, load = SAVES[api]
+    model = models[K]
+    expected = [w.copy() for w in model.get_weights()]
+    directory = os.path.join(shared_dir, "out")
+    os.makedirs(directory, exist_ok=True)
+    before = written_bytes()
+    path = save(model, os.path.join(directory, "saved"))
+    wrote = written_bytes() - before
+    assert_same_on_all_ranks(np.frombuffer(os.fspath(path).encode().ljust(512), np.uint8),
+                             "returned path")
+    # Complete and visible on every rank as soon as the call returned.
+    loaded = load(model, path)
+    if api.startswith(("tf.saved_model", "keras.Model.export")):  # named, not ordered
+        for weight in model.get_weights():
+            assert any(a.shape == weight.shape and np.array_equal(a, weight) for a in loaded)
+    else:
+        assert len(loaded) == len(expected)
+        for got, ref in zip(loaded, expected):
+            np.testing.assert_array_equal(got, ref)
+    files = _files_under(directory)
+    assert files and not any("_temp" in f or "tmp" in f for f in files), files
+    artifact_bytes = sum(os.path.getsize(os.path.join(directory, f)) for f in files)
+    WORLD.Barrier()  # every rank has looked before the next test reuses the directory
+    assert artifact_bytes > 1_000_000
+    if RANK != 0:  # rank 0 writes; the others write nothing to disk
+        assert wrote <= FIRST_CALL_BYTES, (wrote, artifact_bytes)
+    else:
+        assert wrote >= artifact_bytes * 9 // 10, (wrote, artifact_bytes)
+    if RANK == 0:
+        import shutil
+        shutil.rmtree(directory)
     WORLD.Barrier()
-    for _ in range(2):
-        train_step()
-    expected = model.get_weights()
-
-    fresh, fresh_optimizer, fresh_step = make_model(strategy, seed=2)
-    assert not np.allclose(fresh.get_weights()[0], expected[0])
-    restore = tf.train.Checkpoint(model=fresh, optimizer=fresh_optimizer)
-    restore.restore(tf.train.latest_checkpoint(directory)).assert_existing_objects_matched()
-    for _ in range(2):
-        fresh_step()
-    for got, want in zip(fresh.get_weights(), expected):
-        np.testing.assert_allclose(got, want, rtol=1e-6)
-        assert_same_on_all_ranks(got, "restored weight")
-    assert os.listdir(directory) if RANK == 0 else True
 
 
-def test_checkpoint_holding_metrics_is_saved_by_every_rank(strategy, shared_dir):
-    with strategy.scope():  # how metrics keep their state
+def test_loads_inside_the_scope_on_every_rank(models, strategy, shared_dir):
+    model = models["keras"]
+    model.save(os.path.join(shared_dir, "m.keras"))
+    _checkpoint_of(model).write(os.path.join(shared_dir, "ckpt", "ckpt"))
+    tf.saved_model.save(model, os.path.join(shared_dir, "sm"))
+    models["tf_keras"].save(os.path.join(shared_dir, "tfk"))
+    with strategy.scope():  # variables created here start from rank 0's values
+        loaded = keras.models.load_model(os.path.join(shared_dir, "m.keras"))
+        fresh = build(keras, strategy)
+        _checkpoint_of(fresh).read(os.path.join(shared_dir, "ckpt", "ckpt"))
+        served = tf.saved_model.load(os.path.join(shared_dir, "sm"))
+        tfk = tf_keras.models.load_model(os.path.join(shared_dir, "tfk"))
+    for got, want in zip(loaded.get_weights() + fresh.get_weights(),
+                         model.get_weights() + model.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(tfk.get_weights(), models["tf_keras"].get_weights()):
+        np.testing.assert_array_equal(got, want)
+    assert served is not None
+
+
+def test_an_asynchronous_checkpoint_is_written_synchronously(models, shared_dir):
+    if SIZE == 1:
+        pytest.skip("one process: TensorFlow's own asynchronous write")
+    options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+    prefix = os.path.join(shared_dir, "async", "ckpt")
+    path = _checkpoint_of(models["keras"]).save(prefix, options=options)
+    assert path == prefix + "-1" and os.path.exists(path + ".index")  # complete on return
+
+
+def test_summary_writers_write_one_event_file(strategy, shared_dir):
+    logdir = os.path.join(shared_dir, "logs")
+    writer = tf.summary.create_file_writer(logdir)
+    with writer.as_default():
+        for step in range(3):
+            tf.summary.scalar("loss", strategy.reduce("SUM", tf.constant(1.0), axis=None),
+                              step=step)
+    writer.close()
+    events = os.listdir(logdir)
+    assert len(events) == 1, events
+    assert_same_on_all_ranks(np.array(len(events)), "event files seen")
+
+
+def test_keras_callbacks_write_once_and_are_complete_when_fit_returns(strategy, shared_dir):
+    """The race this guards (rank 1 leaving fit while rank 0 still writes) shows
+    in most runs without write points: repeated to make it fail reliably."""
+    model = build(keras, strategy)
+    x = np.ones((2 * BATCH, FEATURES), np.float32)
+    y = np.zeros((2 * BATCH, 2), np.float32)
+    for attempt in range(5):
+        directory = os.path.join(shared_dir, f"fit{attempt}")
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[
+            keras.callbacks.ModelCheckpoint(os.path.join(directory, "best.weights.h5"),
+                                            save_weights_only=True),
+            keras.callbacks.BackupAndRestore(os.path.join(directory, "backup")),
+            keras.callbacks.CSVLogger(os.path.join(directory, "log.csv")),
+            keras.callbacks.TensorBoard(os.path.join(directory, "tb"))])
+        model.load_weights(os.path.join(directory, "best.weights.h5"))  # right after fit
+        with open(os.path.join(directory, "log.csv")) as f:
+            assert len(f.read().splitlines()) == 3  # header + 2 epochs, on every rank
+        assert sorted(os.listdir(directory)) == ["best.weights.h5", "log.csv", "tb"]
+        assert len(os.listdir(os.path.join(directory, "tb", "train"))) == 1
+
+
+def test_checkpoint_saves_on_every_rank_never_race(strategy, shared_dir):
+    """Without write points the ranks share TensorFlow's ``<prefix>_temp``
+    staging directory and one rank's merge deletes it under the other (about
+    one save in ten): repeated enough to fail without them."""
+    with strategy.scope():
+        variable = tf.Variable(tf.zeros([200_000]))
+    checkpoint = tf.train.Checkpoint(v=variable)
+    prefix = os.path.join(shared_dir, "race", "ckpt")
+    for step in range(40):
+        variable.assign(tf.fill([200_000], float(step)))
+        path = checkpoint.save(prefix)
+        variable.assign(tf.zeros([200_000]))
+        checkpoint.restore(path).assert_consumed()
+        assert float(variable[-1]) == step
+
+
+def test_rank0_saving_alone_still_works(models, strategy, shared_dir):
+    model = models["keras"]
+    path = os.path.join(shared_dir, "alone.keras")
+    if RANK == 0:  # the hand-written guard of programs written for other strategies
+        model.save(path)
+        _checkpoint_of(model).write(os.path.join(shared_dir, "alone", "ckpt"))
+    # The others go on to their next collective and meet rank 0 there.
+    assert float(strategy.reduce("SUM", tf.constant(1.0), axis=None)) == SIZE
+    assert os.path.exists(path)
+    np.testing.assert_array_equal(keras.models.load_model(path).get_weights()[0],
+                                  model.get_weights()[0])
+
+
+def test_ranks_saving_the_same_path_without_the_others_do_not_race(models, strategy, shared_dir):
+    if SIZE < 3:
+        pytest.skip("needs two ranks that save and one that does not")
+    path = os.path.join(shared_dir, "some.weights.h5")
+    before = written_bytes()
+    if RANK != 0:  # all but rank 0 make the call: the lowest of them writes
+        models["keras"].save_weights(path)
+    wrote = written_bytes() - before
+    strategy.reduce("SUM", tf.constant(1.0), axis=None)  # rank 0 meets them here
+    assert os.path.getsize(path) > 1_000_000
+    if RANK > 1:
+        assert wrote <= FIRST_CALL_BYTES, wrote
+
+
+def test_rank0_saving_a_metric_alone_fails_on_every_rank(strategy, shared_dir):
+    if SIZE == 1:
+        pytest.skip("needs other ranks")
+    with strategy.scope():
         total = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
                             aggregation=tf.VariableAggregation.SUM)
     strategy.run(lambda: total.assign_add(1.0))
-    checkpoint = tf.train.Checkpoint(total=total)
-    directory = os.path.join(shared_dir, "with-metric")
-    # Saving reads the metric, which is a collective: every rank saves.
-    with mpi_strategy.only_chief_writes(directory) as where:
-        tf.train.CheckpointManager(checkpoint, where, max_to_keep=1).save()
-    assert sorted(os.listdir(shared_dir)) == ["with-metric"]
-    assert tf.train.latest_checkpoint(directory) is not None
+    with pytest.raises(Exception) as raised:
+        if RANK == 0:
+            tf.train.Checkpoint(total=total).write(os.path.join(shared_dir, "metric", "ckpt"))
+        else:
+            strategy.reduce("SUM", tf.constant(1.0), axis=None)
+    assert "saving alone" in str(raised.value), raised.value
+    assert "every rank" in str(raised.value)
+    # The ranks agree on what went wrong and can go on.
+    assert float(strategy.reduce("SUM", tf.constant(1.0), axis=None)) == SIZE
 
 
-def test_only_chief_writes_scratch_is_removed(shared_dir):
-    target = os.path.join(shared_dir, "file.txt")
-    with mpi_strategy.only_chief_writes(target) as where:
-        with open(where, "w") as f:
-            f.write(str(RANK))
-        scratch = os.path.dirname(where)
-    with open(target) as f:
-        assert f.read() == "0"  # every rank sees rank 0's file after the block
+def test_a_failed_write_raises_on_every_rank(models, shared_dir):
+    blocker = os.path.join(shared_dir, "not-a-directory")
+    if RANK == 0:
+        with open(blocker, "w") as f:
+            f.write("x")
+    WORLD.Barrier()
+    with pytest.raises(Exception) as raised:
+        models["keras"].save_weights(os.path.join(blocker, "w.weights.h5"))
     if RANK != 0:
-        assert not os.path.exists(scratch)
+        assert isinstance(raised.value, mpi_strategy.MPIStrategyError)
+        assert "failed on another rank" in str(raised.value) and "rank 0" in str(raised.value)
+
+
+def test_only_chief_writes_is_deprecated_and_yields_the_path(shared_dir):
+    target = os.path.join(shared_dir, "file.txt")
+    with pytest.warns(DeprecationWarning):
+        with mpi_strategy.only_chief_writes(target) as where:
+            assert where == target
+
+
+END_OF_PROGRAM = r"""
+import os, sys
+import numpy as np
+import tensorflow as tf
+import mpi_strategy
+from mpi4py import MPI
+strategy = mpi_strategy.MPIStrategy()
+with strategy.scope():
+    weights = tf.Variable(tf.ones([1000]))
+    metric = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
+                         aggregation=tf.VariableAggregation.SUM)
+strategy.run(lambda: metric.assign_add(1.0))
+if MPI.COMM_WORLD.Get_rank() == 0:   # the others end their program meanwhile
+    if sys.argv[2] == "weights":
+        tf.train.Checkpoint(w=weights).write(os.path.join(sys.argv[1], "ckpt"))
+        print("SAVED", flush=True)
+    else:
+        tf.train.Checkpoint(m=metric).write(os.path.join(sys.argv[1], "ckpt"))
+"""
+
+
+@pytest.mark.single_process
+def test_rank0_saving_alone_at_the_end_of_the_program(tmp_path):
+    script = tmp_path / "end.py"
+    script.write_text(END_OF_PROGRAM)
+    code, out = run_mpiexec(2, python_argv(str(script), str(tmp_path), "weights"), timeout=120)
+    assert code == 0 and "SAVED" in out, out[-3000:]
+    assert os.path.exists(tmp_path / "ckpt.index")
+    # A save that needs the other ranks (a metric) while they have ended: an
+    # error naming both sides, not a hang.
+    code, out = run_mpiexec(2, python_argv(str(script), str(tmp_path), "metric"), timeout=120)
+    assert code != 0, out[-3000:]
+    assert "the end of the program" in out and "saving alone" in out, out[-3000:]
 
 
 KEEP_SAVING = r"""
@@ -102,11 +342,6 @@ while True:
 
 @pytest.mark.single_process
 def test_a_kill_during_checkpoint_writes_leaves_the_latest_checkpoint_usable(tmp_path):
-    import signal
-    import subprocess
-    import sys
-    import time
-
     def writing(directory):  # a "<name>_temp" directory: a save in progress
         return any(name.endswith("_temp") for name in os.listdir(directory))
 

@@ -50,10 +50,19 @@ def test_cluster_resolver_and_chief(strategy):
     assert isinstance(resolver, tf.distribute.cluster_resolver.ClusterResolver)
     assert resolver.task_type == "worker" and resolver.task_id == RANK
     assert resolver.cluster_spec().num_tasks("worker") == SIZE
-    assert resolver.num_accelerators() == {"CPU": LOCAL_DEVICES}
+    assert resolver.num_accelerators() == {}  # CPUs are not accelerators
     assert strategy.extended.should_checkpoint == (RANK == 0)
     assert strategy.extended.should_save_summary == (RANK == 0)
     assert strategy.extended.experimental_between_graph
+
+
+def test_cluster_resolver_counts_accelerators_only():
+    # TensorFlow's convention (ClusterResolver.num_accelerators): GPUs/TPUs, never CPUs.
+    for devices, expected in [({"CPU": 2}, {}), ({"GPU": 2}, {"GPU": 2}),
+                              ({"GPU": 1, "CPU": 1}, {"GPU": 1}), (None, {})]:
+        resolver = mpi_strategy.MPIClusterResolver(WORLD, devices)
+        assert resolver.num_accelerators() == expected, devices
+        assert resolver.num_accelerators("worker", RANK) == expected, devices
 
 
 # -- reductions ----------------------------------------------------------------------

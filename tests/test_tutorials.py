@@ -1,0 +1,210 @@
+"""TensorFlow's own distributed-training tutorials as an acceptance test.
+
+Each program in tests/tutorials/ makes the calls of one tutorial of
+tensorflow/docs (site/en/tutorials/distribute/ and the distributed training
+guide) in the tutorial's order, changed only in its strategy line and its data
+(see tests/tutorials/_tutorial.py). run_all.py runs them one after another in
+one process: once per Keras (tf_keras for the tutorials written for it, Keras 3
+for the others) under ``mpiexec -n 2`` with MPIStrategy, and once in a single
+process with MirroredStrategy on two devices. Every tutorial must run to its
+end under both, rank 0 and rank 1 must report the same numbers, and those must
+be MirroredStrategy's.
+
+A launch in which a rank got stuck (in a collective that a failed rank never
+joins) is aborted by run_all.py; the tutorials after the stuck one then run in
+a new launch, so that each tutorial is reported.
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from launch import run_mpiexec
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+TUTORIALS_DIR = os.path.join(TESTS, "tutorials")
+RUN_ALL = os.path.join(TUTORIALS_DIR, "run_all.py")
+sys.path.insert(0, TUTORIALS_DIR)
+from run_all import TUTORIALS  # noqa: E402
+
+RANKS = 2
+# The tutorials import mpi_strategy from this checkout, wherever it is installed.
+ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+       "TF_CPP_MIN_LOG_LEVEL": "2"}
+LAUNCH_TIMEOUT = float(os.environ.get("TUTORIAL_LAUNCH_TIMEOUT", "300"))
+# MPIStrategy with one device per rank splits every batch as MirroredStrategy
+# does and sums the two replicas' values in the same order: the same
+# arithmetic up to float rounding (reductions in another association, oneDNN
+# kernels per process), well inside 1e-4 over these few steps.
+RTOL = ATOL = 1e-4
+
+
+def _groups():
+    """{keras: [tutorial, ...]} in run_all.py's order."""
+    groups = {}
+    for name, keras in TUTORIALS.items():
+        groups.setdefault(keras, []).append(name)
+    return groups
+
+
+def _read_results(workdir):
+    """{tutorial: {rank: result}} from the files that run_all.py wrote."""
+    results = {}
+    for path in glob.glob(os.path.join(workdir, "results", "*.json")):
+        with open(path) as f:
+            result = json.load(f)
+        results.setdefault(result["tutorial"], {})[result["rank"]] = result
+    return results
+
+
+def _run_mpi(workdir, keras, names, launches):
+    """Runs ``names`` under mpiexec, relaunching after a tutorial that got stuck.
+
+    Returns {tutorial: {rank: result}} and {tutorial: why it has no result on every rank}.
+    """
+    stuck = {}
+    remaining = list(names)
+    while remaining:
+        argv = [sys.executable, RUN_ALL, "--keras", keras, workdir, *remaining]
+        start = time.monotonic()
+        try:
+            code, out = run_mpiexec(RANKS, argv, timeout=LAUNCH_TIMEOUT,
+                                    env=dict(ENV, TUTORIAL_STRATEGY="mpi"))
+        except AssertionError as timeout:  # run_mpiexec's TIMEOUT, with the output
+            code, out = "timeout", str(timeout)
+        launches.append((f"mpi {keras}: {' '.join(remaining)}", time.monotonic() - start, code))
+        _save_log(workdir, f"mpi-{keras}-{len(launches)}.log", out)
+        results = _read_results(workdir)
+        done = [n for n in remaining if len(results.get(n, {})) == RANKS]
+        unfinished = [n for n in remaining if n not in done]
+        if not unfinished:
+            if code != 0:
+                stuck[f"(launch {keras})"] = (f"every tutorial finished, but mpiexec exited "
+                                              f"with {code}:\n{_tail(out)}")
+            break
+        first = unfinished[0]
+        missing = sorted(set(range(RANKS)) - set(results.get(first, {})))
+        stuck[first] = (f"rank(s) {missing} did not finish it (mpiexec: {code}); "
+                        f"end of the output:\n{_tail(out)}")
+        remaining = remaining[remaining.index(first) + 1:]
+    return _read_results(workdir), stuck
+
+
+def _run_mirrored(workdir, keras, names, launches):
+    argv = [sys.executable, RUN_ALL, "--keras", keras, workdir, *names]
+    env = dict(os.environ, **ENV, TUTORIAL_STRATEGY="mirrored")
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=LAUNCH_TIMEOUT)
+        code, out = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as timeout:
+        code, out = "timeout", str(timeout.output)
+    launches.append((f"mirrored {keras}", time.monotonic() - start, code))
+    _save_log(workdir, f"mirrored-{keras}.log", out)
+    return {name: ranks.get(0) for name, ranks in _read_results(workdir).items()}
+
+
+def _tail(out, lines=40):
+    """The end of a launch's output, without TensorFlow's log noise and progress bars."""
+    noise = ("I0000 ", "W0000 ", "E0000 ", "\u2501", "WARNING: All log messages")
+    kept = [line for line in out.splitlines() if not any(n in line for n in noise)]
+    return "\n".join(kept[-lines:])
+
+
+def _save_log(workdir, name, text):
+    with open(os.path.join(workdir, name), "w") as f:
+        f.write(text)
+
+
+def differences(ours, theirs, where=""):
+    """Where two reports differ: numbers beyond RTOL/ATOL, anything else at all."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        if sorted(ours) != sorted(theirs):
+            return [f"{where or 'report'}: keys {sorted(ours)} != {sorted(theirs)}"]
+        return [d for k in sorted(ours) for d in differences(ours[k], theirs[k], f"{where}.{k}")]
+    if isinstance(ours, list) and isinstance(theirs, list):
+        if len(ours) != len(theirs):
+            return [f"{where}: {len(ours)} items != {len(theirs)}: {ours} vs {theirs}"]
+        return [d for i, (a, b) in enumerate(zip(ours, theirs))
+                for d in differences(a, b, f"{where}[{i}]")]
+    numbers = (int, float)
+    if (isinstance(ours, numbers) and isinstance(theirs, numbers)
+            and not isinstance(ours, bool) and not isinstance(theirs, bool)):
+        if np.isclose(ours, theirs, rtol=RTOL, atol=ATOL):
+            return []
+    elif ours == theirs:
+        return []
+    return [f"{where}: {ours!r} != {theirs!r}"]
+
+
+def _last_line(error):
+    return error.strip().splitlines()[-1] if error else "ok"
+
+
+@pytest.mark.single_process
+def test_tutorials_run_under_mpi_as_under_mirrored_strategy(tmp_path):
+    started = time.monotonic()
+    launches, mpi, stuck, mirrored = [], {}, {}, {}
+    for keras, names in _groups().items():
+        workdir = str(tmp_path / f"mpi-{keras}")
+        os.makedirs(workdir)
+        results, why = _run_mpi(workdir, keras, names, launches)
+        mpi.update({n: results.get(n, {}) for n in names})
+        stuck.update(why)
+    for keras, names in _groups().items():
+        workdir = str(tmp_path / f"mirrored-{keras}")
+        os.makedirs(workdir)
+        results = _run_mirrored(workdir, keras, names, launches)
+        mirrored.update({n: results.get(n) for n in names})
+
+    problems, table = [], []
+    for name in TUTORIALS:
+        reference = mirrored.get(name)
+        ranks = mpi.get(name, {})
+        row = [f"{name} ({TUTORIALS[name]}):",
+               "  mirrored: " + ("no result" if reference is None
+                                 else _last_line(reference["error"]))]
+        if reference is None or not reference["ok"]:
+            problems.append(f"{name} failed under MirroredStrategy: "
+                            + (reference["error"] if reference else "no result"))
+        for rank in range(RANKS):
+            result = ranks.get(rank)
+            if result is None:
+                row.append(f"  mpi rank {rank}: no result (stuck; see below)")
+                problems.append(f"{name}: no result from rank {rank} under MPIStrategy: "
+                                + stuck.get(name, "?"))
+                continue
+            row.append(f"  mpi rank {rank}: {_last_line(result['error'])} "
+                       f"({result['seconds']} s)")
+            if not result["ok"]:
+                problems.append(f"{name} failed on rank {rank} under MPIStrategy:\n"
+                                + result["error"])
+        complete = [ranks.get(r) for r in range(RANKS)]
+        if all(r is not None and r["ok"] for r in complete):
+            for rank in range(1, RANKS):
+                if complete[rank]["numbers"] != complete[0]["numbers"]:
+                    diff = differences(complete[rank]["numbers"], complete[0]["numbers"])
+                    problems.append(f"{name}: rank {rank} reports other numbers than rank 0 "
+                                    f"(or the same within tolerance): {diff[:10]}")
+            if reference is not None and reference["ok"]:
+                diff = differences(complete[0]["numbers"], reference["numbers"])
+                if diff:
+                    problems.append(f"{name}: MPIStrategy's numbers differ from "
+                                    f"MirroredStrategy's: " + "; ".join(diff[:10]))
+        table.extend(row)
+
+    problems += [f"{what}: {why}" for what, why in stuck.items() if what.startswith("(launch")]
+    wall = time.monotonic() - started
+    table.append("launches: " + "; ".join(f"{what}: {secs:.1f} s (exit {code})"
+                                         for what, secs, code in launches))
+    table.append(f"wall time of the whole test: {wall:.1f} s")
+    print("\n".join(table))
+    assert not problems, "\n".join(table) + "\n\n" + "\n\n".join(problems)

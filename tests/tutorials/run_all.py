@@ -1,0 +1,122 @@
+"""Runs tutorial programs one after another in this process, each in a fresh
+subdirectory of WORKDIR that is also its current directory and argv[1].
+
+    python run_all.py --keras keras3|tf_keras WORKDIR [NAME ...]
+    mpiexec -n 2 python run_all.py --keras ... WORKDIR   (TUTORIAL_STRATEGY=mpi)
+
+NAME defaults to every tutorial written for that Keras (one process has one
+``tf.keras``; see _tutorial.py). For each tutorial, every rank writes
+WORKDIR/results/NAME.rank<R>.json: ``ok``, the ``error`` (traceback) if it
+raised, the ``numbers`` it reported and its ``seconds``, and prints a summary
+line. An exception ends that tutorial only. The ranks then wait for each other
+(``TUTORIAL_SYNC_TIMEOUT`` seconds, default 20): a rank still inside the
+tutorial by then is stuck (in a collective that a failed rank will never
+join), and the job is aborted; the result files say which tutorials finished.
+"""
+
+import argparse
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Each tutorial program and the Keras its calls are written for.
+TUTORIALS = {
+    "keras_tutorial": "keras3",
+    "custom_training_tutorial": "tf_keras",
+    "save_and_load_tutorial": "tf_keras",
+    "multi_worker_with_keras_tutorial": "tf_keras",
+    "multi_worker_with_ctl_tutorial": "tf_keras",
+    "input_tutorial": "keras3",
+    "distributed_training_guide": "keras3",
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workdir")
+    parser.add_argument("--keras", choices=["keras3", "tf_keras"], required=True)
+    parser.add_argument("names", nargs="*")
+    args = parser.parse_args()
+    names = args.names or [n for n, k in TUTORIALS.items() if k == args.keras]
+    for name in names:
+        if TUTORIALS.get(name) != args.keras:
+            parser.error(f"{name} is not a tutorial written for {args.keras}")
+
+    # Before TensorFlow loads Keras: the Keras of this process.
+    os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.keras == "tf_keras" else "0"
+    sys.path.insert(0, HERE)
+    import _tutorial
+
+    launched = time.monotonic()
+    workdir = os.path.abspath(args.workdir)
+    results = os.path.join(workdir, "results")
+    os.makedirs(results, exist_ok=True)
+    sync = _Sync(float(os.environ.get("TUTORIAL_SYNC_TIMEOUT", "20")))
+    home, argv = os.getcwd(), list(sys.argv)
+    for name in names:
+        path = os.path.join(HERE, name + ".py")
+        where = os.path.join(workdir, name)
+        os.makedirs(where, exist_ok=True)
+        sync.wait(name, "start")
+        start, error = time.monotonic(), None
+        os.chdir(where)
+        sys.argv = [path, where]
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except (Exception, SystemExit):  # noqa: BLE001 - reported, the next tutorial runs
+            error = traceback.format_exc()
+        finally:
+            os.chdir(home)
+            sys.argv = argv
+        numbers = _tutorial.LAST_REPORT
+        if error is None and numbers is None:
+            error = "the program ended without report(...)"
+        result = {"tutorial": name, "strategy": _tutorial.STRATEGY, "keras": args.keras,
+                  "rank": _tutorial.RANK, "ok": error is None, "error": error,
+                  "numbers": numbers, "seconds": round(time.monotonic() - start, 2)}
+        with open(os.path.join(results, f"{name}.rank{_tutorial.RANK}.json"), "w") as f:
+            json.dump(result, f)
+        last = error.strip().splitlines()[-1] if error else "ok"
+        print(f"TUTORIAL {name} [{_tutorial.STRATEGY}, rank {_tutorial.RANK}]: "
+              f"{last} ({result['seconds']} s; {time.monotonic() - launched:.1f} s since "
+              "the driver started)", flush=True)
+        sync.wait(name, "end")
+    print(f"TUTORIALS DONE [{_tutorial.STRATEGY}, rank {_tutorial.RANK}] "
+          f"{time.monotonic() - launched:.1f} s after the driver started", flush=True)
+
+
+class _Sync:
+    """All ranks meet here, or the job ends: a rank that does not come within
+    ``timeout`` seconds is stuck (in a collective whose partner failed)."""
+
+    def __init__(self, timeout):
+        self.timeout = timeout
+        self.comm = None
+        if os.environ.get("TUTORIAL_STRATEGY") == "mpi":
+            from mpi4py import MPI
+            if MPI.COMM_WORLD.Get_size() > 1:
+                self.comm = MPI.COMM_WORLD.Dup()  # apart from every strategy's messages
+
+    def wait(self, name, where):
+        if self.comm is None:
+            return
+        request = self.comm.Ibarrier()
+        deadline = time.monotonic() + self.timeout
+        while not request.Test():
+            if time.monotonic() > deadline:
+                print(f"TUTORIAL {name}: rank {self.comm.Get_rank()} waited {self.timeout:g} s "
+                      f"at the {where} of the tutorial for the other ranks (stuck, e.g. in a "
+                      "collective a failed rank never joins); aborting the job", flush=True)
+                sys.stderr.flush()
+                from mpi4py import MPI
+                MPI.COMM_WORLD.Abort(3)
+            time.sleep(0.01)
+
+
+if __name__ == "__main__":
+    main()
