@@ -67,7 +67,7 @@ _KERAS_SITES = {
             ("tf_keras.src.saving.saving_lib", "save_model", "filepath", "scratch"),
             ("tf_keras.src.saving.saving_lib", "save_weights_only", "filepath", "scratch"),
             ("tf_keras.src.saving.legacy.save", "save_model", "filepath", "memory"),
-            ("tf_keras.src.saving.legacy.save", "save_weights", "filepath", "skip_if_h5"),
+            ("tf_keras.src.saving.legacy.save", "save_weights", "filepath", "scratch_if_h5"),
             ("tf_keras.src.saving.legacy.hdf5_format", "save_model_to_hdf5", "filepath",
              "h5_memory"),
             ("tf_keras.src.distribute.worker_training_state:WorkerTrainingState",

@@ -107,6 +107,9 @@ _ORDER_ADVICE = (
     "in the same order. Common causes: reading a metric or calling strategy.reduce / "
     "gather on some ranks only (e.g. under `if rank == 0`), or ranks that build "
     "different models or take different branches in Python.")
+_SAVE_FAILED_ADVICE = (
+    "A rank left a save before the others (at the end of a save): the save failed "
+    "there (see that rank's own error), and its files are not complete.")
 _ALONE_ADVICE = (
     "A rank is saving alone (the other ranks did not make the same save call) and "
     "the save reads a value that is summed over all ranks (a metric, or another "
@@ -166,9 +169,12 @@ class Rendezvous:
         return everyone
 
     def _exchange(self, mine, shapes, timeout):
+        # Always the non-blocking Allgather: MPI never matches a blocking
+        # collective with a non-blocking one, and a save's meeting (no
+        # timeout) may meet a collective that has one.
         everyone = np.empty((self._size, mine.size), np.int64)
         if timeout is None:
-            self._comm.Allgather(mine, everyone)
+            self._comm.Iallgather(mine, everyone).Wait()
         else:
             self._announce()
             self._wait(self._comm.Iallgather(mine, everyone), mine, shapes, timeout)
@@ -181,7 +187,9 @@ class Rendezvous:
         if np.all(everyone[:, _KIND:_TENSORS + 1] == everyone[0, _KIND:_TENSORS + 1]):
             by_rank += " (same sizes, but the shapes differ between ranks)"
         kinds = set(everyone[:, _KIND].tolist())
-        if everyone[:, _ALONE].any():
+        if WRITE_DONE in kinds:
+            advice = _SAVE_FAILED_ADVICE
+        elif everyone[:, _ALONE].any():
             advice = _ALONE_ADVICE
         elif len(kinds) == 1 and int(everyone[0, _KIND]) in _ADVICE:
             advice = _ADVICE[int(everyone[0, _KIND])]

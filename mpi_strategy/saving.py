@@ -13,8 +13,8 @@ On a rank that does not write, the call instead:
 * ``h5_memory``: runs against an in-memory HDF5 file (h5py writes outside
   TensorFlow's filesystems);
 * ``skip``: does nothing (index files, deletions of old checkpoints);
-* ``skip_if_h5``: does nothing for an HDF5 weights file (layer weights only,
-  never a collective read), else ``memory``;
+* ``scratch_if_h5``: ``scratch`` for an HDF5 file (h5py opens local files
+  only), else ``memory``;
 * ``noop_writer``: returns ``tf.summary.create_noop_writer()``;
 * ``devnull``: writes to ``os.devnull`` (a log file kept open across calls);
 * ``scratch``: runs against a path in a fresh local directory, in memory
@@ -46,6 +46,7 @@ from mpi_strategy import write_point
 from mpi_strategy.logs import logger
 
 _WRAPPED = "_mpi_strategy_write_point"
+_SYNCHRONOUS = "_mpi_strategy_synchronous"
 
 
 class WriteCall(NamedTuple):
@@ -82,7 +83,7 @@ def install_synchronous_checkpoints(methods):
         module_name, _, class_name = owner_name.partition(":")
         owner = getattr(importlib.import_module(module_name), class_name)
         original = getattr(owner, name)
-        if getattr(original, _WRAPPED, False):
+        if getattr(original, _SYNCHRONOUS, False):
             continue
 
         def synchronous(self, file_prefix, options=None, original=original):
@@ -94,18 +95,21 @@ def install_synchronous_checkpoints(methods):
             return original(self, file_prefix, options=options)
 
         functools.update_wrapper(synchronous, original)
-        setattr(synchronous, _WRAPPED, True)
+        setattr(synchronous, _SYNCHRONOUS, True)
         setattr(owner, name, synchronous)
 
 
-def _wrap(function, call):
+def _wrap(function, listed):
     signature = inspect.signature(function)
-    what = f"{call.owner.replace(':', '.')}.{call.name}"
+    what = f"{listed.owner.replace(':', '.')}.{listed.name}"
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        path = _path_of(bound, call)
+        path = _path_of(bound, listed)
+        call = listed
+        if call.instead == "scratch_if_h5" and isinstance(path, (str, os.PathLike)):
+            call = call._replace(instead="scratch" if _is_h5(bound, path) else "memory")
         if write_point.role() == write_point.IN_MEMORY:  # inside an outer write point
             if _replaced_when_nested(call, path):
                 return _instead(function, bound, call, path)
@@ -122,14 +126,17 @@ def _wrap(function, call):
 
 
 def _scope_of_model(bound):
-    """The scope of the strategy of the model being saved, if none is entered:
-    what tf_keras creates while saving (the metrics' variables of a model not
-    yet trained) must be the strategy's, summed over the ranks, not one rank's.
-    Only in a save every rank makes: creating a variable is a collective."""
+    """For a tf_keras model, the scope of its strategy if none is entered: what
+    tf_keras creates while saving (the metrics' variables of a model not yet
+    trained) must be the strategy's, summed over the ranks, not one rank's.
+    Only in a save every rank makes: creating a variable is a collective.
+    (Keras 3 creates nothing there; it saves metric values as MirroredStrategy
+    does, from the first replica, outside the scope.)"""
     from mpi_strategy.strategy import MPIStrategy  # pylint: disable=import-outside-toplevel
-    strategy = getattr(bound.arguments.get("model"), "distribute_strategy", None)
+    model = bound.arguments.get("model")
+    strategy = getattr(model, "distribute_strategy", None)
     if (not isinstance(strategy, MPIStrategy) or tf.distribute.has_strategy()
-            or write_point.role() == write_point.WRITES_ALONE):
+            or write_point.alone() or not type(model).__module__.startswith("tf_keras.")):
         return contextlib.nullcontext()
     return strategy.scope()
 
@@ -140,8 +147,10 @@ def _replaced_when_nested(call, path):
     if not isinstance(path, (str, os.PathLike)):
         return False
     path = os.fspath(path)
-    ours = path.startswith("ram://") or _in_scratch(path)
-    return not (ours and call.instead in ("memory", "scratch", "devnull", "same"))
+    in_memory, in_scratch = path.startswith("ram://"), _in_scratch(path)
+    ours = {"memory": in_memory, "scratch": in_scratch,  # (scratch: opens local files only)
+            "devnull": in_memory or in_scratch, "same": in_memory or in_scratch}
+    return not ours.get(call.instead, False)
 
 
 def _path_of(bound, call):
@@ -155,14 +164,12 @@ def _path_of(bound, call):
 
 def _instead(function, bound, call, path):
     """What a rank that does not write for ``path`` does instead of ``function``."""
-    if call.instead == "skip" or (call.instead == "skip_if_h5" and _is_h5(bound, path)):
+    if call.instead == "skip":
         return None
     if call.instead == "noop_writer":
         return tf.summary.create_noop_writer()
     if call.instead == "same":
         return function(*bound.args, **bound.kwargs)
-    if call.instead == "skip_if_h5":
-        call = call._replace(instead="memory")
     if call.instead == "h5_memory":
         import h5py
         with h5py.File(io.BytesIO(), "w") as memory_file:
@@ -232,7 +239,7 @@ def _real_path_in(result, target, path):
     if tf.is_tensor(result) and result.dtype == tf.string and result.shape.rank == 0:
         text = result.numpy().decode()
         if text.startswith(target):
-            return path + text[len(target):]
+            return tf.constant(path + text[len(target):])
     return result
 
 

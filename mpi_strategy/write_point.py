@@ -23,11 +23,11 @@ point*:
 
 import atexit
 import contextlib
+import itertools
 import os
 import sys
 import threading
 import time
-import weakref
 import zlib
 
 import numpy as np
@@ -41,10 +41,16 @@ from mpi_strategy.errors import MPIStrategyError
 # What this rank does inside the write point it is in (None: in none).
 WRITES, WRITES_ALONE, IN_MEMORY = "writes", "writes alone", "in memory"
 _ERROR_CHARS = 2000
+# How a disagreement names a rank at the end of a save (rendezvous.describe):
+# a rank that fails before a collective of the save meets the others there.
+_END_OF_SAVE = rendezvous_lib.describe(
+    rendezvous_lib.signature(0, rendezvous_lib.WRITE_DONE, np.uint8, []))
 
 _local = threading.local()
-_current = {"comm": None}      # weakref to the OrderedComm of the newest multi-rank strategy
-_counter = [0]
+# The OrderedComm of the newest strategy over all ranks. Kept alive: whether a
+# rank meets the others must never depend on what its program still holds.
+_current = {"comm": None}
+_counter = itertools.count(1)  # next() is atomic under the GIL
 
 
 def role():
@@ -53,13 +59,18 @@ def role():
     return getattr(_local, "role", None)
 
 
+def alone():
+    """True inside a write point that only some ranks entered."""
+    return getattr(_local, "alone", False)
+
+
 def register(ordered_comm):
     """Makes ``ordered_comm`` (of a new strategy) the one that write points made
     outside any strategy's scope meet on, and that the program's end is agreed
     on, if it spans all of ``COMM_WORLD`` (a strategy on a sub-communicator
     cannot speak for the ranks outside it)."""
     if ordered_comm.size > 1 and _spans_the_world(ordered_comm.comm):
-        _current["comm"] = weakref.ref(ordered_comm)
+        _current["comm"] = ordered_comm
         _register_finalize_once()
 
 
@@ -78,8 +89,8 @@ def _ordered_comm():
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
     in_scope = getattr(getattr(strategy, "extended", None), "_cross_device_ops", None)
     ordered = getattr(in_scope, "ordered_comm", None)
-    if ordered is None and _current["comm"] is not None:
-        ordered = _current["comm"]()
+    if ordered is None:
+        ordered = _current["comm"]
     if ordered is None or ordered.size == 1 or not ordered.rendezvous.usable:
         return None
     return ordered
@@ -110,8 +121,8 @@ def write_point(path, what):
     if everyone is None:
         # Made on some ranks only: they write, as the program asked; if several
         # made this very call, the lowest of them writes (they would race).
-        alone = WRITES_ALONE if rendezvous.alone_with[0] == ordered.rank else IN_MEMORY
-        with _in_role(alone, rendezvous, alone=True):
+        solo_role = WRITES_ALONE if rendezvous.alone_with[0] == ordered.rank else IN_MEMORY
+        with _in_role(solo_role, rendezvous, alone=True):
             yield
         return
     paths = everyone[:, -1]
@@ -119,33 +130,33 @@ def write_point(path, what):
         writes = _writer_rank(ordered, path) == ordered.rank
     else:  # each rank named its own path (e.g. per-worker temporary directories)
         writes = int(np.flatnonzero(paths == paths[ordered.rank])[0]) == ordered.rank
-    failure = ""
     try:
         with _in_role(WRITES if writes else IN_MEMORY, rendezvous):
             yield
-    except BaseException as exc:  # every rank must still meet below
-        failure = f"{type(exc).__name__}: {exc}"
+    except BaseException as exc:
+        # Every rank meets again, except one whose error came from meeting
+        # there a rank that failed earlier in the save.
+        if _END_OF_SAVE not in str(exc):
+            _meet_after(ordered, what, path, f"{type(exc).__name__}: {exc}")
         raise
-    finally:
-        _meet_after(ordered, what, path, failure)
+    _meet_after(ordered, what, path, "")
 
 
 @contextlib.contextmanager
 def _in_role(current, rendezvous, alone=False):
-    _local.role = current
+    _local.role, _local.alone = current, alone
     rendezvous.saving_alone = alone
     try:
         yield
     finally:
-        _local.role = None
+        _local.role, _local.alone = None, False
         rendezvous.saving_alone = False
 
 
 def memory_path(path):
     """A fresh in-memory path (TensorFlow's ``ram://``) named like ``path``."""
-    _counter[0] += 1
     name = os.path.basename(os.path.normpath(path)) or "saved"
-    return f"ram://mpi_strategy/{os.getpid()}/{_counter[0]}/{name}"
+    return f"ram://mpi_strategy/{os.getpid()}/{next(_counter)}/{name}"
 
 
 def remove_memory_path(path):
@@ -213,36 +224,56 @@ def _node_leaders(ordered):
 
 
 def _probe(comm, directory, leader_of):
-    """The lowest node leader whose probe file this rank sees in ``directory``."""
-    rank = comm.Get_rank()
+    """The writer for this rank's copy of ``directory``: the lowest rank of the
+    nodes that see the same files there (each node's leader creates a probe
+    file; two nodes share a filesystem if either sees the other's)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
     token = np.frombuffer(os.urandom(8), np.uint8).copy()
     comm.Bcast(token, root=0)
     mine = ""
     if leader_of[rank] == rank:
-        existing = _nearest_existing(os.path.abspath(directory))
-        mine = os.path.join(existing, f".mpi_strategy-probe-{token.tobytes().hex()}-{rank}")
         try:
-            with open(mine, "w"):
-                pass
-        except OSError:
-            mine = ""  # not writable here: the save itself will say so
+            existing = _nearest_existing(os.path.abspath(directory))
+            mine = os.path.join(existing, f".mpi_strategy-probe-{token.tobytes().hex()}-{rank}")
+            open(mine, "w").close()
+        except (OSError, ValueError):
+            mine = ""  # not writable here: the save itself will say so, on every rank
     probes = _allgather_text(comm, mine)
-    seen = _visible({r: p for r, p in enumerate(probes) if p and r != leader_of[rank]})
-    writer = min(seen + [leader_of[rank]])
+    seen = np.zeros(size, np.int8)
+    seen[leader_of[rank]] = 1
+    seen[_visible({r: p for r, p in enumerate(probes) if p and r != leader_of[rank]})] = 1
+    everyone = np.empty((size, size), np.int8)
+    comm.Allgather(seen, everyone)
     comm.Barrier()
     if mine:
-        os.remove(mine)
-    return writer
+        try:
+            os.remove(mine)
+        except OSError:
+            pass
+    return min(_same_filesystem(everyone, leader_of, rank))
+
+
+def _same_filesystem(seen, leader_of, rank):
+    """The ranks connected to ``rank`` by "saw the probe of the other's node"."""
+    linked = (seen | seen.T).astype(bool)
+    group, todo = {rank}, [rank]
+    while todo:
+        r = todo.pop()
+        for other in np.flatnonzero(linked[r] | linked[:, leader_of[r]]).tolist() + [leader_of[r]]:
+            if other not in group:
+                group.add(other)
+                todo.append(other)
+    return group
 
 
 def _allgather_text(comm, text):
-    data = np.frombuffer(text.encode(), np.uint8)
+    data = np.frombuffer(os.fsencode(text), np.uint8)
     counts = np.empty(comm.Get_size(), np.int64)
     comm.Allgather(np.array([data.size], np.int64), counts)
     received = np.empty(int(counts.sum()), np.uint8)
     comm.Allgatherv(data, [received, (counts.tolist(), None), MPI.BYTE])
     offsets = np.concatenate([[0], np.cumsum(counts)])
-    return [bytes(received[offsets[r]:offsets[r + 1]]).decode() for r in range(len(counts))]
+    return [os.fsdecode(bytes(received[offsets[r]:offsets[r + 1]])) for r in range(len(counts))]
 
 
 def _nearest_existing(directory):
@@ -257,6 +288,11 @@ def _visible(probes):
     deadline = time.monotonic() + _PROBE_SECONDS
     seen = []
     while True:
+        for directory in {os.path.dirname(p) for p in probes.values()}:
+            try:
+                os.listdir(directory)  # makes NFS look again
+            except OSError:
+                pass
         for r, probe in list(probes.items()):
             if os.path.exists(probe) and _opens(probe):
                 seen.append(r)
@@ -288,7 +324,7 @@ def _agree_on_the_end():
     """Ranks meet once more before MPI ends: a rank saving alone (under
     ``if rank == 0``) finishes its save, and a rank still waiting in a
     collective that the others left gets an error instead of a hang."""
-    ordered = _current["comm"]() if _current["comm"] is not None else None
+    ordered = _current["comm"]
     if (ordered is None or not ordered.rendezvous.usable or MPI.Is_finalized()
             or job_is_aborting()):
         return

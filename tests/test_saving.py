@@ -173,6 +173,10 @@ def test_an_asynchronous_checkpoint_is_written_synchronously(models, shared_dir)
     prefix = os.path.join(shared_dir, "async", "ckpt")
     path = _checkpoint_of(models["keras"]).save(prefix, options=options)
     assert path == prefix + "-1" and os.path.exists(path + ".index")  # complete on return
+    manager = tf.train.CheckpointManager(_checkpoint_of(models["keras"]),
+                                         os.path.join(shared_dir, "async-manager"), 1)
+    path = manager.save(options=options)
+    assert os.path.exists(path + ".index")
 
 
 def test_summary_writers_write_one_event_file(strategy, shared_dir):
@@ -278,9 +282,12 @@ def test_a_failed_write_raises_on_every_rank(models, shared_dir):
     WORLD.Barrier()
     with pytest.raises(Exception) as raised:
         models["keras"].save_weights(os.path.join(blocker, "w.weights.h5"))
-    if RANK != 0:
+    if RANK != 0:  # rank 0 raises its own error; the others name it
         assert isinstance(raised.value, mpi_strategy.MPIStrategyError)
         assert "failed on another rank" in str(raised.value) and "rank 0" in str(raised.value)
+    # ... and can go on.
+    assert float(models["keras"].distribute_strategy.reduce(
+        "SUM", tf.constant(1.0), axis=None)) == SIZE
 
 
 def test_only_chief_writes_is_deprecated_and_yields_the_path(shared_dir):
