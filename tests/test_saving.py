@@ -166,6 +166,20 @@ def test_loads_inside_the_scope_on_every_rank(models, strategy, shared_dir):
     assert served is not None
 
 
+def test_saving_an_untrained_tf_keras_model_keeps_its_metrics_global(strategy, shared_dir):
+    """tf_keras creates the metrics' variables while saving a model not yet
+    trained: they must be the strategy's (summed over ranks), not each rank's."""
+    with strategy.scope():
+        model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", metrics=["accuracy"],
+                      loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.save(os.path.join(shared_dir, "untrained"))
+    x = np.linspace(-1, 1, 6 * BATCH, dtype=np.float32).reshape(2 * BATCH, 3)
+    y = (np.arange(2 * BATCH) * 7 % 3 == 0).astype(np.int64)  # ranks see different labels
+    accuracy = model.fit(x, y, batch_size=BATCH, verbose=0).history["accuracy"][-1]
+    assert_same_on_all_ranks(np.float32(accuracy), "accuracy")
+
+
 def test_an_asynchronous_checkpoint_is_written_synchronously(models, shared_dir):
     if SIZE == 1:
         pytest.skip("one process: TensorFlow's own asynchronous write")
