@@ -45,7 +45,8 @@ class MPIStrategy(tf.distribute.Strategy):
         makes a rank that waits more than T seconds for the others to reach a
         collective raise an error naming the collective and the missing ranks
         (without it, such a rank waits forever, as MPI does).
-        ``implementation`` and ``bytes_per_pack`` are accepted and ignored.
+        ``implementation`` and ``bytes_per_pack`` are accepted and ignored
+        (with a warning, once).
       compression: None (default: exact sums), ``"float16"`` or
         ``"bfloat16"``: float tensors of 16 KiB or more in an all-reduce (the
         weight gradients) travel in 16 bits, half the bytes of float32, for
@@ -94,6 +95,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
                 "mpi_strategy: communication_options must be a "
                 "tf.distribute.experimental.CommunicationOptions, got "
                 f"{type(communication_options).__name__}.")
+        _warn_once_if_ignored(communication_options)
         abort_job_on_uncaught_exception(comm)
         if comm.Get_size() > 1:
             saving.install(_tf_internal.WRITE_CALLS)
@@ -304,6 +306,23 @@ def default_devices(comm):
     per_rank = max(1, len(gpus) // local_size)
     start = (local_rank * per_rank) % len(gpus)
     return gpus[start:start + per_rank]
+
+
+_warned_ignored = []
+
+
+def _warn_once_if_ignored(options):
+    """Says (once per process) which options that MPIStrategy ignores were set."""
+    ignored = []
+    if options.implementation != tf.distribute.experimental.CommunicationImplementation.AUTO:
+        ignored.append(f"implementation={options.implementation.name}")
+    if options.bytes_per_pack:
+        ignored.append(f"bytes_per_pack={options.bytes_per_pack}")
+    if ignored and not _warned_ignored:
+        _warned_ignored.append(True)
+        logger.warning(
+            "MPIStrategy ignores CommunicationOptions(%s): every reduction goes "
+            "through MPI, one fused collective per dtype.", ", ".join(ignored))
 
 
 def _device_type(device):

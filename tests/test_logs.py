@@ -3,13 +3,34 @@
 import io
 import logging
 
-from mpi_testing import RANK, SIZE, mpi_strategy_under_test
+from mpi_testing import RANK, SIZE, local_devices, mpi_strategy_under_test
+
+import mpi_strategy
 
 from mpi_strategy.logs import logger
 
 
 def test_rank_0_logs_info_and_the_other_ranks_only_errors():
     assert logger.getEffectiveLevel() == (logging.INFO if RANK == 0 else logging.ERROR)
+
+
+def test_options_the_strategy_ignores_are_named_once_on_rank_0():
+    import tensorflow as tf
+    (handler,) = [h for h in logger.handlers if getattr(h, "_mpi_strategy", False)]
+    stream = io.StringIO()
+    previous = handler.setStream(stream)
+    options = tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=1 << 20,
+        implementation=tf.distribute.experimental.CommunicationImplementation.NCCL)
+    try:
+        for _ in range(2):
+            mpi_strategy.MPIStrategy(devices=local_devices(), communication_options=options)
+    finally:
+        handler.setStream(previous)
+    warned = [line for line in stream.getvalue().splitlines() if "ignores" in line]
+    assert len(warned) == (1 if RANK == 0 else 0), warned
+    if RANK == 0:
+        assert "implementation=NCCL" in warned[0] and "bytes_per_pack=1048576" in warned[0]
 
 
 def test_lines_carry_the_rank_and_strategy_creation_is_logged_on_rank_0():
