@@ -177,7 +177,7 @@ def _instead(function, bound, call, path):
             return function(*bound.args, **bound.kwargs)
     path = os.fspath(path)
     if call.instead == "scratch":
-        scratch = tempfile.mkdtemp(prefix="mpi_strategy-", dir=_scratch_root())
+        scratch = tempfile.mkdtemp(prefix=_SCRATCH_PREFIX, dir=_scratch_root())
         target = os.path.join(scratch, os.path.basename(os.path.normpath(path)))
     else:
         target = os.devnull if call.instead == "devnull" else write_point.memory_path(path)
@@ -194,9 +194,10 @@ def _instead(function, bound, call, path):
 
 
 def _in_scratch(path):
-    return os.path.basename(os.path.dirname(os.fspath(path))).startswith("mpi_strategy-")
+    return os.path.basename(os.path.dirname(os.fspath(path))).startswith(_SCRATCH_PREFIX)
 
 
+_SCRATCH_PREFIX = "mpi_strategy-scratch-"
 _SHM_NEEDED = 2 << 30  # containers often give /dev/shm 64 MB: fall back to the disk
 
 
