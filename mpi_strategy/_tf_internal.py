@@ -64,6 +64,16 @@ def is_mirrored(value):
     return _distribute_utils.is_mirrored(value)
 
 
+def captured_value(tensor):
+    """What a placeholder of a tf.function's graph stands for: a tensor of the
+    enclosing graph, or an eager tensor such as a variable's handle; None if
+    ``tensor`` is not such a capture. (FuncGraph.captures.)"""
+    for external, internal in getattr(tensor.graph, "captures", ()):
+        if internal is tensor:
+            return external
+    return None
+
+
 # Private hooks of StrategyExtendedV2 / MirroredExtended that MPIExtended
 # overrides (strategy.py):
 # * `_use_merge_call()`: read by `tf.__internal__.distribute.interim.maybe_merge_call`

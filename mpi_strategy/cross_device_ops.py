@@ -9,6 +9,7 @@ the requested destination devices. Every rank gets the same result.
 import functools
 import zlib
 
+import numpy as np
 import tensorflow as tf
 
 from mpi_strategy import _tf_internal
@@ -156,13 +157,70 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     # -- broadcast -----------------------------------------------------------
     def broadcast_implementation(self, tensor, destinations):
-        value = self._mpi.broadcast(tf.convert_to_tensor(tensor),
-                                    timeout=self._options.timeout_seconds)
+        # What TF broadcasts is rank 0's first replica's new value of a
+        # variable whose aggregation is ONLY_FIRST_REPLICA: every step,
+        # optimizer.iterations + 1. A value that every rank computes alike is
+        # not sent; the constants it is made of are checked at the next
+        # collective (OrderedComm.check_same_constants).
+        constants = _constants_if_same_on_every_rank(tensor, destinations)
+        if constants is not None:
+            self._mpi.check_same_constants(constants)
+            value = tf.convert_to_tensor(tensor)
+        else:
+            value = self._mpi.broadcast(tf.convert_to_tensor(tensor),
+                                        timeout=self._options.timeout_seconds)
         return _tf_internal.simple_broadcast(value, destinations, always_mirrored=True)
 
     def broadcast_from_root(self, tensor):
         """``tensor`` as rank 0 has it, on every rank (used for initial values)."""
         return self._mpi.broadcast(tensor, timeout=self._options.timeout_seconds)
+
+
+# Element-wise ops that give every rank the same result from the same inputs.
+_DETERMINISTIC_OPS = frozenset({"Identity", "Cast", "AddV2", "Add", "Sub", "Mul", "Neg",
+                                "Maximum", "Minimum", "FloorDiv", "FloorMod", "RealDiv"})
+
+
+def _constants_if_same_on_every_rank(value, variable):
+    """The constants ``value`` is made of, if it is the same on every rank; else None.
+
+    Same on every rank: a constant of the program (a Python number, a numpy
+    array) - if every rank has the same one, which the caller checks - or, in a
+    tf.function, a new value of ``variable`` (a mirrored variable, so the same
+    on every rank) computed from it and from constants of the graph by
+    deterministic element-wise ops, as ``variable + 1`` is. A value made of
+    graph constants alone may be the replica's id: it is sent.
+    """
+    if isinstance(value, (int, float, bool, np.ndarray, np.generic)):
+        return [np.asarray(value)]
+    constants, reads = [], []
+    if _made_of(value, variable, constants, reads, depth=6) and reads:
+        return constants
+    return None
+
+
+def _made_of(value, variable, constants, reads, depth):
+    """True if graph tensor ``value`` is made only of constants (appended to
+    ``constants``) and reads of ``variable`` (appended to ``reads``)."""
+    if not isinstance(value, tf.Tensor) or hasattr(value, "numpy") or not depth:
+        return False  # an eager tensor: its value may come from anywhere
+    op = value.op
+    if op.type == "Const":
+        constants.append(tf.get_static_value(value))
+        return True
+    if op.type == "ReadVariableOp" and _reads(op.inputs[0], variable):
+        reads.append(op)
+        return True
+    return op.type in _DETERMINISTIC_OPS and all(
+        _made_of(t, variable, constants, reads, depth - 1) for t in op.inputs)
+
+
+def _reads(handle, variable):
+    """True if ``handle`` (in a tf.function) is the handle of one of ``variable``'s copies."""
+    while handle is not None and not hasattr(handle, "numpy"):  # up through nested graphs
+        handle = _tf_internal.captured_value(handle)
+    handles = [getattr(v, "handle", None) for v in getattr(variable, "values", ())]
+    return handle is not None and any(handle is h for h in handles)
 
 
 def _local_values(value):

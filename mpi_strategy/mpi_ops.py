@@ -17,6 +17,8 @@ to the caller as ``tf.errors`` classes (``errors.py`` says which). Data
 crosses MPI as raw buffers, never as pickles.
 """
 
+import zlib
+
 import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
@@ -58,9 +60,13 @@ class OrderedComm:
 
     # -- the one place a TF op calls MPI -------------------------------------
     def _ordered_call(self, name, fn, inputs, output_dtypes):
-        """Runs ``fn(*numpy_inputs) -> list of arrays`` as one ordered op."""
+        """Runs ``fn(token, *numpy_inputs) -> list of arrays`` as one ordered op.
+
+        ``token`` (an int, the same on every rank) goes into the collective's
+        signature, so that ranks whose earlier constants differed raise.
+        """
         def with_token(token, *arrays):
-            return [token + 1] + list(fn(*arrays))
+            return [token + 1] + list(fn(int(token), *arrays))
 
         with tf.device("/device:CPU:0"):
             token = self._token.read_value()
@@ -98,11 +104,18 @@ class OrderedComm:
                 "(float16/bfloat16 are summed in float32 by MPICrossDeviceOps).")
         comm, rendezvous, pool = self.comm, self.rendezvous, self._pool
 
-        def allreduce(*arrays):
-            rendezvous.agree(rendezvous_lib.ALLREDUCE, arrays[0].dtype,
-                             [a.shape for a in arrays], timeout=timeout)
+        def allreduce(token, *arrays):
             buffer, outs = buffers.pack(arrays, pool)
-            comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+            _, carried = rendezvous.agree_carrying(
+                _bytes(buffer), rendezvous_lib.ALLREDUCE, arrays[0].dtype,
+                [a.shape for a in arrays], timeout=timeout, token=token)
+            if carried is None:
+                comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+            else:  # small: summed here, in rank order, alike on every rank
+                every_rank = carried[:, :buffer.nbytes].view(buffer.dtype)
+                buffer[...] = every_rank[0]
+                for row in every_rank[1:]:
+                    buffer += row
             return outs
 
         outs = self._ordered_call("MPIAllreduce", allreduce, tensors,
@@ -132,17 +145,20 @@ class OrderedComm:
             return [tf.identity(x) for x in tensors]
         comm, rendezvous = self.comm, self.rendezvous
 
-        def allgatherv(*arrays):
+        def allgatherv(token, *arrays):
             arrays = [np.ascontiguousarray(a) for a in arrays]
             rows = np.array([a.shape[0] if a.ndim else 1 for a in arrays], np.int64)
             mine = _concat_bytes([rows] + arrays)
-            everyone = rendezvous.agree(
-                rendezvous_lib.ALLGATHER, [a.dtype for a in arrays],
-                [a.shape[1:] for a in arrays], rows=int(rows.sum()), nbytes=mine.size,
-                timeout=timeout)
+            everyone, carried = rendezvous.agree_carrying(
+                mine, rendezvous_lib.ALLGATHER, [a.dtype for a in arrays],
+                [a.shape[1:] for a in arrays], rows=int(rows.sum()), timeout=timeout,
+                token=token)
             counts = everyone[:, -1]
-            received = buffers.aligned_empty((int(counts.sum()),), np.uint8)
-            comm.Allgatherv(mine, [received, (counts.tolist(), None), MPI.BYTE])
+            if carried is None:
+                received = buffers.aligned_empty((int(counts.sum()),), np.uint8)
+                comm.Allgatherv(mine, [received, (counts.tolist(), None), MPI.BYTE])
+            else:
+                received = np.concatenate([row[:n] for row, n in zip(carried, counts)])
             return _split_gathered(received, counts, arrays)
 
         outs = self._ordered_call("MPIAllgather", allgatherv, tensors,
@@ -161,14 +177,14 @@ class OrderedComm:
             return tf.identity(x)
         comm, rendezvous = self.comm, self.rendezvous
 
-        def alltoall(array):
+        def alltoall(token, array):
             if array.ndim == 0 or array.shape[0] != self.size:
                 raise CollectiveMismatchError(
                     f"mpi_strategy: alltoall needs one row per rank ({self.size}), got "
                     f"shape {array.shape}.")
             array = np.ascontiguousarray(array)
             rendezvous.agree(rendezvous_lib.ALLTOALL, array.dtype, [array.shape],
-                             timeout=timeout)
+                             timeout=timeout, token=token)
             out = buffers.aligned_empty(array.shape, array.dtype)
             comm.Alltoall([_bytes(array), MPI.BYTE], [_bytes(out), MPI.BYTE])
             return (out,)
@@ -189,17 +205,42 @@ class OrderedComm:
             return tf.identity(x)
         comm, rendezvous = self.comm, self.rendezvous
 
-        def bcast(array):
-            rendezvous.agree(rendezvous_lib.BROADCAST, array.dtype, [array.shape],
-                             timeout=timeout)
+        def bcast(token, array):
             out = buffers.aligned_empty(array.shape, array.dtype)
             out[...] = array
-            comm.Bcast([_bytes(out), MPI.BYTE], root=root)
+            _, carried = rendezvous.agree_carrying(
+                _bytes(out), rendezvous_lib.BROADCAST, array.dtype, [array.shape],
+                timeout=timeout, token=token)
+            if carried is None:
+                comm.Bcast([_bytes(out), MPI.BYTE], root=root)
+            else:
+                _bytes(out)[...] = carried[root, :out.nbytes]
             return (out,)
 
         (out,) = self._ordered_call("MPIBroadcast", bcast, [x], [x.dtype])
         out.set_shape(x.shape)
         return out
+
+
+    def check_same_constants(self, arrays):
+        """Checks, at the next collective, that ``arrays`` (constants of the
+        program, numpy arrays) are the same on every rank, without sending them.
+
+        The ordering token advances by a hash of their values; the tokens are
+        part of the next collective's signature, where ranks that held
+        different constants raise ``CollectiveMismatchError``.
+        """
+        if self.size == 1 or not arrays:
+            return
+        digest = 0
+        for array in arrays:
+            digest = zlib.crc32(f"{array.dtype}{array.shape}".encode() + array.tobytes(), digest)
+        with tf.device("/device:CPU:0"):
+            self._token.assign_add(digest & _CONSTANT_HASH_MASK)
+
+
+# 24 bits per constant: the token (an int64) does not overflow in 2^39 steps.
+_CONSTANT_HASH_MASK = (1 << 24) - 1
 
 
 def _check_not_xla(name):

@@ -1,12 +1,18 @@
 """Before each collective, the ranks agree on what it is, and notice who is missing.
 
 Every MPI collective of ``OrderedComm`` starts with one small Allgather of a
-fixed-size *signature* (which collective, dtype, element count) from every
-rank. A rank that issues another collective, or the same one with another
-dtype or shape, meets the others in that Allgather - always the same number of
-bytes, so MPI never truncates a message or mixes up buffers - and every rank
-raises the same error, naming what each rank was doing. The check is always
-on: it costs one 64-byte Allgather per collective.
+fixed-size *record* from every rank: the collective's *signature* (which
+collective, dtype, element count), then room for a few hundred bytes of data.
+A rank that issues another collective, or the same one with another dtype or
+shape, meets the others in that Allgather - always the same number of bytes, so
+MPI never truncates a message or mixes up buffers - and every rank raises the
+same error, naming what each rank was doing. The check is always on.
+
+A collective whose data fits in the record on every rank (a loss, a metric's
+total and count, ``optimizer.iterations``) travels in that same Allgather: the
+ranks check the signatures and then compute the result from the data they
+already hold, so a small collective costs one MPI round, not two. A large one
+costs the Allgather, then its own MPI call.
 
 With ``CommunicationOptions(timeout_seconds=T)`` the Allgather is non-blocking
 and polled, and each rank tells the others (a few bytes, point to point) the
@@ -15,6 +21,8 @@ raises an error naming the collective, its shape and the ranks that never
 arrived, with the last collective each of them entered.
 """
 
+import functools
+import math
 import time
 import zlib
 
@@ -38,12 +46,24 @@ _DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
 
 # Signature fields: collective number; kind, dtype, elements (per row for
 # all_gather), number of tensors, a hash of their shapes and dtypes (and of a
-# save's path), whether this rank is inside a save that only some ranks called
-# (these must agree); rows and bytes sent (all_gather only, may differ).
-_SEQ, _KIND, _DTYPE, _COUNT, _TENSORS, _LAYOUT, _ALONE, _ROWS, _BYTES = range(9)
-_MUST_AGREE = slice(_KIND, _ALONE + 1)
+# save's path), whether this rank is inside a save that only some ranks called,
+# how far the communicator's ordering token moved since the previous
+# collective (1, plus a hash of the constants that ranks assumed equal instead
+# of sending them: ``OrderedComm.check_same_constants``) (these must agree); rows and bytes sent (all_gather only, may differ).
+_SEQ, _KIND, _DTYPE, _COUNT, _TENSORS, _LAYOUT, _ALONE, _TOKEN, _ROWS, _BYTES = range(10)
+_MUST_AGREE = slice(_KIND, _TOKEN + 1)
+_SIGNATURE_BYTES = 8 * (_BYTES + 1)
 
 _ANNOUNCE_TAG = 7
+
+
+def record_bytes(size):
+    """Bytes each rank sends in the agreement Allgather, on a communicator of ``size``.
+
+    512 up to 32 ranks; less on larger communicators so that the Allgather
+    stays about 16 KiB, but always room for a few scalars. The same on every rank.
+    """
+    return max(128, min(512, 16384 // max(size, 1) // 8 * 8))
 
 
 def _dtype_code(dtype):
@@ -55,7 +75,7 @@ def _dtype_name(code):
     return _DTYPES[code].name if code < len(_DTYPES) else f"dtype#{code - 1000}"
 
 
-def signature(seq, kind, dtype, shapes, rows=0, nbytes=0, tag="", alone=False):
+def signature(seq, kind, dtype, shapes, rows=0, nbytes=0, tag="", alone=False, token_step=0):
     """The fixed-size description of a collective that every rank compares.
 
     ``shapes``: the shapes that must agree (of each tensor packed into an
@@ -63,14 +83,22 @@ def signature(seq, kind, dtype, shapes, rows=0, nbytes=0, tag="", alone=False):
     ``dtype``: one dtype, or one per shape (all_gather of several tensors).
     ``tag``: text that must agree too (which save, of which path).
     ``alone``: this rank is inside a save that the other ranks did not call.
+    ``token_step``: how far the ordering token moved since the previous collective.
     """
+    dtypes = tuple(dtype) if isinstance(dtype, (list, tuple)) else (dtype,)
+    code, count, layout = _layout(tuple(tuple(shape) for shape in shapes), dtypes, tag)
+    return np.array([seq, kind, code, count, len(shapes), layout, int(alone), token_step,
+                     rows, nbytes], np.int64)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(shapes, dtypes, tag):
+    """(first dtype's code, elements, hash of shapes, dtypes and tag): the same few
+    collectives recur every step, so each is worked out once."""
     shapes = [tuple(int(d) for d in shape) for shape in shapes]
-    dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype]
     codes = [_dtype_code(d) for d in dtypes]
-    count = sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes)
-    layout = zlib.crc32(repr((shapes, codes, tag)).encode()) & 0x7FFFFFFF
-    return np.array([seq, kind, codes[0], count, len(shapes), layout, int(alone), rows, nbytes],
-                    np.int64)
+    count = sum(math.prod(shape) for shape in shapes)
+    return codes[0], count, zlib.crc32(repr((shapes, codes, tag)).encode()) & 0x7FFFFFFF
 
 
 def describe(signature):
@@ -110,6 +138,12 @@ _ORDER_ADVICE = (
 _SAVE_FAILED_ADVICE = (
     "A rank left a save before the others (at the end of a save): the save failed "
     "there (see that rank's own error), and its files are not complete.")
+_CONSTANT_ADVICE = (
+    "The ranks agree on this collective but assigned different constants before it "
+    "(since the previous collective of this communicator) to a variable whose "
+    "aggregation is ONLY_FIRST_REPLICA, such as optimizer.iterations. Such a constant "
+    "is not sent (a one-process program has one value for it): compute it the same "
+    "way on every rank, or assign a tensor (which rank 0 then sends to every rank).")
 _ALONE_ADVICE = (
     "A rank is saving alone (the other ranks did not make the same save call) and "
     "the save reads a value that is summed over all ranks (a metric, or another "
@@ -134,12 +168,38 @@ class Rendezvous:
         self.saving_alone = False  # set by write_point.py around a save only this rank made
         self.alone_with = []       # after a WRITE some ranks missed: the ranks in the same one
         self.usable = True         # False once a timeout left a request pending
+        self._received = None      # every rank's record of the last exchange
+        self._token = 0            # the ordering token of the previous collective
 
-    def agree(self, kind, dtype, shapes, rows=0, nbytes=0, timeout=None, tag=""):
+    @property
+    def carry_bytes(self):
+        """The most data bytes a rank's record carries (see ``agree_carrying``)."""
+        return record_bytes(self._size) - _SIGNATURE_BYTES
+
+    def agree_carrying(self, data, kind, dtype, shapes, rows=0, timeout=None, token=None):
+        """``agree``, with this rank's ``data`` (a 1-D uint8 array) in the same message.
+
+        Returns ``(everyone, carried)``: ``everyone`` as from ``agree`` (its
+        last column is each rank's number of data bytes), and ``carried`` one
+        row per rank whose first bytes are that rank's ``data``, identical on
+        every rank - or None when some rank's data did not fit in
+        ``carry_bytes``; then the caller moves the data with its own MPI call.
+        """
+        fits = data.size <= self.carry_bytes
+        everyone = self.agree(kind, dtype, shapes, rows=rows, nbytes=data.size,
+                              timeout=timeout, token=token, _data=data if fits else None)
+        if everyone is None or everyone[:, _BYTES].max() > self.carry_bytes:
+            return everyone, None
+        return everyone, self._received[:, _SIGNATURE_BYTES:]
+
+    def agree(self, kind, dtype, shapes, rows=0, nbytes=0, timeout=None, tag="", token=None,
+              _data=None):
         """Blocks until every rank has entered this collective; raises if they differ.
 
         ``shapes`` must be equal on all ranks (see ``signature``); ``timeout``
-        is in seconds (None: wait as long as MPI does, forever).
+        is in seconds (None: wait as long as MPI does, forever); ``token``: the
+        collective's ordering token (``OrderedComm``; None for a meeting): how
+        far it moved since the previous collective must agree.
 
         Returns every rank's signature, one row per rank, identical on every
         rank (the last column is each rank's ``nbytes``, what it sends in an
@@ -151,10 +211,13 @@ class Rendezvous:
         again, in the collective they were entering, once those ranks are done.
         """
         self._seq += 1
+        token_step = 0
+        if token is not None:
+            token_step, self._token = token - self._token, token
         while True:
             everyone = self._exchange(
                 signature(self._seq, kind, dtype, shapes, rows, nbytes, tag,
-                          self.saving_alone), shapes, timeout)
+                          self.saving_alone, token_step), _data, shapes, timeout)
             writing = everyone[:, _KIND] == WRITE
             differ = np.any(everyone[:, _MUST_AGREE] != everyone[0, _MUST_AGREE])
             if not (differ and writing.any()):
@@ -168,18 +231,23 @@ class Rendezvous:
             self._raise_disagreement(everyone, shapes)
         return everyone
 
-    def _exchange(self, mine, shapes, timeout):
+    def _exchange(self, mine, data, shapes, timeout):
+        """Every rank's signature (one row per rank); their records stay in ``_received``."""
+        record = np.zeros(record_bytes(self._size), np.uint8)
+        record[:mine.nbytes] = mine.view(np.uint8)
+        if data is not None:
+            record[mine.nbytes:mine.nbytes + data.size] = data
+        self._received = np.empty((self._size, record.size), np.uint8)
         # Always the non-blocking Allgather: MPI never matches a blocking
         # collective with a non-blocking one, and a save's meeting (no
         # timeout) may meet a collective that has one.
-        everyone = np.empty((self._size, mine.size), np.int64)
         if timeout is None:
-            self._comm.Iallgather(mine, everyone).Wait()
+            self._comm.Iallgather(record, self._received).Wait()
         else:
             self._announce()
-            self._wait(self._comm.Iallgather(mine, everyone), mine, shapes, timeout)
+            self._wait(self._comm.Iallgather(record, self._received), mine, shapes, timeout)
             self._collect_announcements()
-        return everyone
+        return self._received[:, :mine.nbytes].copy().view(np.int64)
 
     # -- disagreement --------------------------------------------------------
     def _raise_disagreement(self, everyone, shapes):
@@ -187,7 +255,12 @@ class Rendezvous:
         if np.all(everyone[:, _KIND:_TENSORS + 1] == everyone[0, _KIND:_TENSORS + 1]):
             by_rank += " (same sizes, but the shapes differ between ranks)"
         kinds = set(everyone[:, _KIND].tolist())
-        if WRITE_DONE in kinds:
+        if np.all(everyone[:, _KIND:_TOKEN] == everyone[0, _KIND:_TOKEN]):
+            advice = _CONSTANT_ADVICE  # only the tokens differ
+            by_rank = "; ".join(f"rank {r}: {describe(s)} (ordering token moved by "
+                                f"{s[_TOKEN]} since the previous collective)"
+                                for r, s in enumerate(everyone))
+        elif WRITE_DONE in kinds:
             advice = _SAVE_FAILED_ADVICE
         elif everyone[:, _ALONE].any():
             advice = _ALONE_ADVICE

@@ -34,15 +34,66 @@ def _raised(in_function, tf_error, ours, match, fn, *args):
     return error
 
 
+# Data of a few bytes travels inside the agreement message ("carried"); more
+# takes its own MPI call ("sent"). Both paths must give the same results.
+ROWS = {"carried": 2, "sent": 300}
+
+
+@pytest.fixture(params=sorted(ROWS))
+def rows(request):
+    return ROWS[request.param]
+
+
+class CountingComm:
+    """A communicator that counts the MPI calls made on it, by name."""
+
+    def __init__(self, comm):
+        self._comm, self.calls = comm, {}
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args, **kwargs)
+        return counted
+
+
+def test_small_collectives_take_one_mpi_call_and_large_ones_two():
+    if SIZE == 1:
+        pytest.skip("a 1-rank world does not call MPI")
+    ordered = OrderedComm(WORLD)
+    counting = CountingComm(WORLD)
+    ordered.comm = ordered.rendezvous._comm = counting
+    ordered.allreduce_sum(tf.ones([3]))
+    ordered.broadcast(tf.ones([2, 2]))
+    ordered.allgather(tf.ones([RANK + 1, 2]))
+    assert counting.calls == {"Iallgather": 3}
+    ordered.allreduce_sum(tf.ones([1000]))
+    ordered.broadcast(tf.ones([1000]))
+    ordered.allgather(tf.ones([RANK + 1, 1000]))
+    assert counting.calls == {"Iallgather": 6, "Allreduce": 1, "Bcast": 1, "Allgatherv": 1}
+
+
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float64, tf.int32, tf.int64])
 @pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
-def test_allreduce_sum(mpi, dtype, in_function):
-    x = tf.cast(tf.reshape(tf.range(6), [2, 3]) * (RANK + 1), dtype)
+def test_allreduce_sum(mpi, dtype, in_function, rows):
+    x = tf.cast(tf.reshape(tf.range(3 * rows), [rows, 3]) * (RANK + 1), dtype)
     fn = tf.function(mpi.allreduce_sum) if in_function else mpi.allreduce_sum
     out = fn(x)
-    expected = np.arange(6).reshape(2, 3) * sum(r + 1 for r in range(SIZE))
-    assert out.dtype == dtype and out.shape == (2, 3)
+    expected = np.arange(3 * rows).reshape(rows, 3) * sum(r + 1 for r in range(SIZE))
+    assert out.dtype == dtype and out.shape == (rows, 3)
     np.testing.assert_array_equal(out.numpy(), expected.astype(dtype.as_numpy_dtype))
+    assert_same_on_all_ranks(out.numpy(), "allreduce result")
+
+
+def test_a_small_float_sum_is_bitwise_the_same_on_every_rank(mpi):
+    # Values whose sum depends on the order of addition: every rank must
+    # add them in the same order (rank order) and get the same bits.
+    x = tf.constant([0.1 * (RANK + 1), 1e8 if RANK == 0 else 1.0, -1e8 if RANK == 1 else 3e-8])
+    assert_same_on_all_ranks(mpi.allreduce_sum(x).numpy(), "small float sum")
 
 
 def test_allreduce_scalar_and_empty(mpi):
@@ -106,11 +157,11 @@ def test_allreduce_rejects_unsupported_dtype(mpi):
 
 
 @pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32, tf.int64, tf.bool])
-def test_allgather_uneven_rows(mpi, dtype):
-    # Rank r contributes r + 1 rows filled with r.
-    x = tf.cast(tf.fill([RANK + 1, 2], RANK), dtype)
+def test_allgather_uneven_rows(mpi, dtype, rows):
+    # Rank r contributes (r + 1) x rows rows filled with r.
+    x = tf.cast(tf.fill([(RANK + 1) * rows, 2], RANK), dtype)
     out = tf.function(mpi.allgather)(x).numpy()
-    expected = np.concatenate([np.full([r + 1, 2], r) for r in range(SIZE)])
+    expected = np.concatenate([np.full([(r + 1) * rows, 2], r) for r in range(SIZE)])
     np.testing.assert_array_equal(out, expected.astype(dtype.as_numpy_dtype))
 
 
@@ -153,10 +204,10 @@ def test_allgather_many_dtype_mismatch_raises_on_every_rank(mpi):
     assert float(mpi.allreduce_sum(tf.constant(1.0))) == SIZE  # still usable
 
 
-def test_broadcast_takes_rank0_value(mpi):
-    x = tf.fill([3], float(RANK + 7))
+def test_broadcast_takes_rank0_value(mpi, rows):
+    x = tf.fill([rows, 3], float(RANK + 7))
     out = tf.function(mpi.broadcast)(x).numpy()
-    np.testing.assert_array_equal(out, [7.0, 7.0, 7.0])
+    np.testing.assert_array_equal(out, np.full([rows, 3], 7.0))
 
 
 def test_broadcast_size_mismatch_raises_on_every_rank(mpi):

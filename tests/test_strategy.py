@@ -276,6 +276,41 @@ def test_mirrored_only_first_replica_assign_takes_replica0_value(strategy):
         assert float(local) == 10.0
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_only_first_replica_update_from_the_variable_is_not_sent(strategy, mode):
+    """``iterations.assign_add(1)``-style updates (the variable plus constants)
+    are the same on every rank: no MPI broadcast, and still the right value."""
+    with strategy.scope():
+        v = tf.Variable(5.0, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+    def step():
+        strategy.run(lambda: v.assign_add(1.0))
+        strategy.run(lambda: v.assign(tf.maximum(v * 2.0 - 1.0, 0.0)))
+        strategy.run(lambda: v.assign_add(tf.cast(replica_id(), tf.float32)))  # sent
+
+    fn = in_mode(step, mode)
+    fn()
+    for local in strategy.experimental_local_results(v):
+        assert float(local) == (5.0 + 1.0) * 2.0 - 1.0
+    if mode == "function" and SIZE > 1:
+        ops = [op.type for op in fn.get_concrete_function().graph.get_operations()]
+        assert ops.count("PyFunc") == 1, ops  # only the replica-id update
+
+
+def test_ranks_that_assign_different_constants_raise_at_the_next_collective():
+    if SIZE == 1:
+        pytest.skip("needs two ranks to disagree")
+    strategy = mpi_strategy_under_test()
+    with strategy.scope():
+        v = tf.Variable(0.0, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    strategy.run(tf.function(lambda: v.assign(v + float(RANK))))  # a per-rank constant
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="assigned different constants before it"):
+        strategy.reduce("SUM", tf.constant(1.0), axis=None)
+    # The ranks agree again at the next collective.
+    assert float(strategy.reduce("SUM", tf.constant(1.0), axis=None)) == SIZE
+
+
 def test_keras_metric_is_global(strategy):
     with strategy.scope():
         metric = tf.keras.metrics.Mean()
