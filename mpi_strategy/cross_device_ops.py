@@ -122,16 +122,37 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
 
         Summing IndexedSlices = concatenating them: the rows of repeated
         indices are added when the slices are applied. Every table's values
-        and indices travel in one all_gather, however many tables there are.
+        and indices travel in one all_gather, however many tables there are:
+        concatenated by TensorFlow into one values tensor, one indices tensor
+        and the tables' row counts (each tensor that crosses into Python costs
+        several microseconds), then cut back into tables, in rank order.
         """
         if not values:
             return []
-        tensors = []
-        for slices in values:
-            tensors.append(tf.concat([s.values for s in slices], axis=0))
-            index_dtype = slices[0].indices.dtype
-            tensors.append(tf.concat([tf.cast(s.indices, index_dtype) for s in slices], axis=0))
-        gathered = self._mpi.allgather_many(tensors, timeout)
+        tables = [(tf.concat([s.values for s in slices], axis=0),
+                   tf.concat([tf.cast(s.indices, slices[0].indices.dtype) for s in slices], axis=0))
+                  for slices in values]
+        if len({v.dtype for v, _ in tables}) != 1 or not all(
+                v.shape[1:].is_fully_defined() for v, _ in tables):
+            return self._allgather_tables(values, tables, timeout)
+        widths = [v.shape[1:].num_elements() for v, _ in tables]
+        counts, flat_values, flat_indices = self._mpi.allgather_many([
+            tf.stack([tf.shape(v, out_type=tf.int64)[0] for v, _ in tables]),
+            tf.concat([tf.reshape(v, [-1]) for v, _ in tables], axis=0),
+            tf.concat([tf.cast(i, tf.int64) for _, i in tables], axis=0)], timeout)
+        k, ranks = len(tables), self._mpi.size
+        value_pieces = tf.split(flat_values, counts * tf.tile(tf.constant(widths, tf.int64), [ranks]),
+                                num=k * ranks)
+        index_pieces = tf.split(flat_indices, counts, num=k * ranks)
+        return [tf.IndexedSlices(
+            values=tf.reshape(tf.concat(value_pieces[t::k], axis=0), [-1] + v.shape[1:].as_list()),
+            indices=tf.cast(tf.concat(index_pieces[t::k], axis=0), i.dtype),
+            dense_shape=slices[0].dense_shape)
+            for t, ((v, i), slices) in enumerate(zip(tables, values))]
+
+    def _allgather_tables(self, values, tables, timeout):
+        """``_allgather_indexed_slices`` with every table's tensors crossing on their own."""
+        gathered = self._mpi.allgather_many([t for table in tables for t in table], timeout)
         return [tf.IndexedSlices(values=gathered[2 * k], indices=gathered[2 * k + 1],
                                  dense_shape=slices[0].dense_shape)
                 for k, slices in enumerate(values)]

@@ -17,6 +17,7 @@ to the caller as ``tf.errors`` classes (``errors.py`` says which). Data
 crosses MPI as raw buffers, never as pickles.
 """
 
+import math
 import zlib
 
 import numpy as np
@@ -92,6 +93,9 @@ class OrderedComm:
         MPI call and handed back as aligned views of it, which TensorFlow
         adopts without a copy (``buffers.py``): one copy in, none out, and the
         same memory every step once TensorFlow has let go of the previous one.
+        Many small tensors (a small model's gradients) are concatenated by
+        TensorFlow first: each tensor that crosses into Python costs several
+        microseconds, more than copying a few hundred kB.
         """
         _check_not_xla("allreduce")
         if self.size == 1:
@@ -102,13 +106,29 @@ class OrderedComm:
                 f"mpi_strategy: cannot sum dtype(s) {sorted(d.name for d in dtypes)} in one "
                 f"MPI call; supported: one of {[d.name for d in REDUCIBLE_DTYPES]} "
                 "(float16/bfloat16 are summed in float32 by MPICrossDeviceOps).")
+        if len(tensors) > 1 and _small_and_static(tensors):
+            shapes = [tuple(t.shape) for t in tensors]
+            flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
+            (summed,) = self._ordered_call("MPIAllreduce", self._allreduce(shapes, timeout),
+                                           [flat], [flat.dtype])
+            parts = tf.split(summed, [math.prod(shape) for shape in shapes])
+            return [tf.reshape(part, shape) for part, shape in zip(parts, shapes)]
+        outs = self._ordered_call("MPIAllreduce", self._allreduce(None, timeout), tensors,
+                                  [t.dtype for t in tensors])
+        for out, t in zip(outs, tensors):
+            out.set_shape(t.shape)
+        return outs
+
+    def _allreduce(self, shapes, timeout):
+        """The numpy function of an allreduce; ``shapes``: the tensors' shapes when
+        they arrive concatenated (the agreement compares these), else None."""
         comm, rendezvous, pool = self.comm, self.rendezvous, self._pool
 
         def allreduce(token, *arrays):
             buffer, outs = buffers.pack(arrays, pool)
             _, carried = rendezvous.agree_carrying(
                 _bytes(buffer), rendezvous_lib.ALLREDUCE, arrays[0].dtype,
-                [a.shape for a in arrays], timeout=timeout, token=token)
+                shapes or [a.shape for a in arrays], timeout=timeout, token=token)
             if carried is None:
                 comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
             else:  # small: summed here, in rank order, alike on every rank
@@ -117,12 +137,7 @@ class OrderedComm:
                 for row in every_rank[1:]:
                     buffer += row
             return outs
-
-        outs = self._ordered_call("MPIAllreduce", allreduce, tensors,
-                                  [t.dtype for t in tensors])
-        for out, t in zip(outs, tensors):
-            out.set_shape(t.shape)
-        return outs
+        return allreduce
 
     def allgather(self, x, timeout=None):
         """Concatenation along axis 0 of ``x`` from every rank, in rank order.
@@ -243,6 +258,17 @@ class OrderedComm:
 _CONSTANT_HASH_MASK = (1 << 24) - 1
 
 
+# Up to this many bytes, TensorFlow concatenates many tensors into one before
+# they cross into Python (see allreduce_sum_packed).
+_CONCAT_IN_GRAPH_BYTES = 256 * 1024
+
+
+def _small_and_static(tensors):
+    if not all(t.shape.is_fully_defined() for t in tensors):
+        return False
+    return sum(t.shape.num_elements() * t.dtype.size for t in tensors) <= _CONCAT_IN_GRAPH_BYTES
+
+
 def _check_not_xla(name):
     # Checked even on one rank, so a program fails the same way at 1 and N ranks.
     if _tf_internal.in_xla_context():
@@ -264,34 +290,52 @@ def _padded(nbytes):
 
 def _concat_bytes(arrays):
     """The bytes of ``arrays`` back to back, each piece padded to 8 bytes."""
-    out = np.zeros(sum(_padded(a.nbytes) for a in arrays), np.uint8)
+    sizes = [a.nbytes for a in arrays]
+    out = np.zeros(sum(_padded(n) for n in sizes), np.uint8)
     offset = 0
-    for a in arrays:
-        out[offset:offset + a.nbytes] = _bytes(a)
-        offset += _padded(a.nbytes)
+    for a, n in zip(arrays, sizes):
+        out[offset:offset + n] = _bytes(a)
+        offset += _padded(n)
     return out
 
 
 def _split_gathered(received, counts, arrays):
     """Every rank's pieces of ``received`` (laid out by ``_concat_bytes``),
-    concatenated per tensor in rank order; ``arrays`` give dtypes and row shapes."""
-    pieces = [[] for _ in arrays]
-    start = 0
-    for count in counts.tolist():
-        rows = received[start:start + 8 * len(arrays)].view(np.int64)
-        offset = start + _padded(8 * len(arrays))
-        for i, (a, n) in enumerate(zip(arrays, rows.tolist())):
-            row_shape = a.shape[1:]
-            nbytes = n * int(np.prod(row_shape, dtype=np.int64)) * a.itemsize
-            pieces[i].append((received[offset:offset + nbytes], n))
-            offset += _padded(nbytes)
-        start += count
+    concatenated per tensor in rank order; ``arrays`` give dtypes and row shapes.
+
+    The results are aligned views of one new buffer (TensorFlow adopts them
+    without a copy). A tensor with as many bytes from every rank at the same
+    place in each rank's part (the usual case: equal batches) moves in one
+    strided copy.
+    """
+    k = len(arrays)
+    row_bytes = np.array([math.prod(a.shape[1:]) * a.itemsize for a in arrays], np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rows = np.stack([received[s:s + 8 * k].view(np.int64) for s in starts.tolist()])
+    nbytes = rows * row_bytes  # [rank, tensor]
+    padded = -(-nbytes // 8) * 8
+    offsets = (starts + _padded(8 * k))[:, None] + np.cumsum(padded, axis=1) - padded
+    totals = nbytes.sum(axis=0)
+    slots = -(-totals // buffers.ALIGN_BYTES) * buffers.ALIGN_BYTES
+    out = buffers.aligned_empty((int(slots.sum()),), np.uint8)
+    p = len(counts)
+    # One strided copy per tensor where every rank's piece has the same size
+    # and place in its part (equal batches); else one copy per rank.
+    strided = (np.all(counts == counts[0]) & np.all(nbytes == nbytes[0], axis=0)
+               & np.all(offsets - starts[:, None] == offsets[0], axis=0)).tolist()
+    blocks = received.reshape(p, -1) if any(strided) else None
     outs = []
-    for a, parts in zip(arrays, pieces):
-        out = buffers.aligned_empty((sum(n for _, n in parts),) + a.shape[1:], a.dtype)
-        flat, at = _bytes(out), 0
-        for part, _ in parts:
-            flat[at:at + part.size] = part
-            at += part.size
-        outs.append(out)
+    for i, (a, at, total, one, first, n_rows) in enumerate(zip(
+            arrays, (np.cumsum(slots) - slots).tolist(), totals.tolist(),
+            nbytes[0].tolist(), offsets[0].tolist(), rows.sum(axis=0).tolist())):
+        flat = out[at:at + total]
+        if strided[i]:
+            if one:
+                flat.reshape(p, one)[...] = blocks[:, first:first + one]
+        else:
+            done = 0
+            for offset, size in zip(offsets[:, i].tolist(), nbytes[:, i].tolist()):
+                flat[done:done + size] = received[offset:offset + size]
+                done += size
+        outs.append(flat.view(a.dtype).reshape((n_rows,) + a.shape[1:]))
     return outs

@@ -194,6 +194,24 @@ def test_allgather_many_mixed_dtypes_and_rows(mpi, in_function):
         np.testing.assert_array_equal(o.numpy(), e)
 
 
+@pytest.mark.parametrize("rows", [1, 40])
+def test_allgather_many_with_equal_rows_on_every_rank(mpi, rows):
+    # The usual case (equal batches): each tensor's pieces sit at the same
+    # place in every rank's part; empty and 0-d tensors among them.
+    tensors = [tf.fill([rows, 3], float(RANK)), tf.zeros([0, 2]),
+               tf.range(rows, dtype=tf.int64) + 100 * RANK, tf.constant(RANK, tf.int8),
+               tf.fill([rows, 1, 2], tf.constant(RANK, tf.float64))]
+    out = mpi.allgather_many(tensors)
+    expected = [np.concatenate([np.full([rows, 3], r, np.float32) for r in range(SIZE)]),
+                np.zeros([0, 2], np.float32),
+                np.concatenate([np.arange(rows) + 100 * r for r in range(SIZE)]),
+                np.arange(SIZE, dtype=np.int8),
+                np.concatenate([np.full([rows, 1, 2], r, np.float64) for r in range(SIZE)])]
+    for o, e in zip(out, expected):
+        np.testing.assert_array_equal(o.numpy(), e)
+        assert o.dtype.as_numpy_dtype == e.dtype
+
+
 def test_allgather_many_dtype_mismatch_raises_on_every_rank(mpi):
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")

@@ -202,6 +202,36 @@ def test_indexed_slices_reduce_like_mirrored(strategy, mirrored, mode):
     assert got[0].numpy()[5, 0] == NUM_REPLICAS * (NUM_REPLICAS + 1) / 2
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtypes", [("float32", "float32"), ("float32", "float64")],
+                         ids=["one-dtype", "mixed-dtypes"])
+def test_many_indexed_slices_batch_reduce_like_mirrored(strategy, mirrored, mode, dtypes):
+    """Several tables of different widths, index dtypes and (per replica)
+    row counts in one batch_reduce: each comes back whole, in replica order."""
+    def reduce_with(s):
+        def fn():
+            r = replica_id()
+            tables = []
+            for t, (width, rows, dtype) in enumerate([(1, 2, dtypes[0]), (3, 1, dtypes[1]),
+                                                      (2, None, dtypes[0])]):
+                n = r + 1 if rows is None else rows  # ragged: replica r has r + 1 rows
+                values = tf.cast(tf.fill([n, width], 10 * t + r + 1), dtype)
+                index_dtype = tf.int32 if t == 1 else tf.int64
+                indices = tf.cast(tf.range(n) + r, index_dtype)
+                tables.append(tf.IndexedSlices(values, indices, tf.constant([40, width],
+                                                                            tf.int64)))
+            return tables
+        per_replica = s.run(fn)
+        reduced = s.extended.batch_reduce_to("SUM", [(t, "/device:CPU:0") for t in per_replica])
+        return [tf.convert_to_tensor(t) for t in reduced]
+
+    got = in_mode(lambda: reduce_with(strategy), mode)()
+    want = in_mode(lambda: reduce_with(mirrored), mode)()
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
 def test_keras_embedding_gradient_is_sparse_and_summed(strategy):
     with strategy.scope():
         table = tf.Variable(tf.zeros([8, 2]))
