@@ -20,13 +20,14 @@ import time
 from importlib import metadata
 
 from benchmarks import cost_model, report
+from tests.launch import mpiexec_command, mpiexec_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 # Per training model: global batch, timed steps, warm-up steps (full run).
 TRAIN_MODELS = {"mlp": (256, 60, 10), "cnn": (128, 20, 5), "embedding": (256, 60, 10),
-                "widedeep": (256, 60, 10)}
+                "widedeep": (256, 200, 20), "higgs_small": (256, 300, 30)}
 QUICK_STEPS = (6, 2)
 # Compute time per replica for the cost model: the paper's workloads at batch 32.
 COMPUTE_MODELS = ["lenet3", "cnn", "higgs"]
@@ -102,7 +103,7 @@ def train_variant(model, variant, ranks, batch, steps, warmup):
     elif variant == "mpi_1_rank":
         commands = [(script + ["mpi"] + step_args, {})]
     elif variant == "mpi":
-        commands = [(["mpiexec", "-n", str(ranks)] + script + ["mpi"] + step_args, {})]
+        commands = [(mpiexec_command(ranks) + script + ["mpi"] + step_args, mpiexec_env())]
     elif variant == "mwms":
         cluster = {"worker": [f"localhost:{p}" for p in _free_ports(ranks)]}
         commands = [(script + ["mwms"] + step_args,
@@ -179,8 +180,8 @@ def main():
 
     progress("collectives")
     rows, error = launch_together(
-        [(["mpiexec", "-n", str(args.ranks)] + _python("benchmarks.collectives")
-          + (["--quick"] if args.quick else []), {})], timeout=900)
+        [(mpiexec_command(args.ranks) + _python("benchmarks.collectives")
+          + (["--quick"] if args.quick else []), mpiexec_env())], timeout=900)
     if error:
         raise RuntimeError(f"collectives benchmark failed: {error}")
     result["collectives"] = [r for r in rows if r["kind"] == "reduce"]

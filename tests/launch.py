@@ -1,5 +1,8 @@
 """Run a command under a real ``mpiexec`` with a hard timeout.
 
+The one launcher of the repository: tests, examples' tests and
+``python -m benchmarks`` build their mpiexec command lines here.
+
 A deadlocked job is killed (the whole process group) after ``timeout``
 seconds and reported with its output, instead of hanging CI.
 """
@@ -24,12 +27,18 @@ def mpiexec_command(n):
     return ["mpiexec", "-prepend-rank", "-n", str(n)]
 
 
+def mpiexec_env():
+    """What ``mpiexec_command`` needs in the environment (Open MPI refuses root without it)."""
+    if is_open_mpi():
+        return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    return {}
+
+
 def run_mpiexec(n, argv, timeout=DEFAULT_TIMEOUT, env=None, cwd=None):
     """Runs ``argv`` on ``n`` ranks; returns (returncode, combined output)."""
     full_env = dict(os.environ)
     full_env.update(env or {})
-    if is_open_mpi():
-        full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    full_env.update(mpiexec_env())
     cmd = mpiexec_command(n) + list(argv)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=full_env, cwd=cwd, start_new_session=True, text=True)

@@ -79,7 +79,7 @@ def test_one_tiny_training_variant_end_to_end():
     # The report renders a (partial) run with that row.
     sizes, seconds = _fake_calibration()
     result = {
-        "ranks": 2, "quick": True, "command": "test", "time": "now", "duration_s": 1,
+        "ranks": 3, "quick": True, "command": "test", "time": "now", "duration_s": 1,
         "load_before": "0", "load_after": "0",
         "machine": {"cores": 2, "cpu": "x", "memory_GiB": 1, "python": "3", "versions": {}},
         "collectives": [{"bytes": n, "raw_allreduce_ms": t * 1e3, "reduce_overhead_ms": 0.1,
@@ -94,3 +94,4 @@ def test_one_tiny_training_variant_end_to_end():
     assert rss_ratio(result, "embedding", "no_strategy") == 1.0
     text = markdown(result)
     assert "| " + MODEL_NAMES["embedding"] + " (8) | no strategy, 1 process |" in text
+    assert "### Collectives (3 ranks," in text
