@@ -1,6 +1,7 @@
 """``python -m mpi_strategy``: check a new cluster before training on it.
 
     mpiexec -n 4 python -m mpi_strategy
+    python -m mpi_strategy timeline trace.json   # merge a timeline's per-rank files
 
 Every rank reports its host, MPI library, thread level, TensorFlow version and
 devices; then a reduction through MPIStrategy is checked against its known
@@ -94,4 +95,7 @@ def _version():
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["timeline"]:
+        from mpi_strategy import timeline
+        sys.exit(timeline.main(sys.argv[2:]))
     sys.exit(main())

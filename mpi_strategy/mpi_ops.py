@@ -17,7 +17,9 @@ to the caller as ``tf.errors`` classes (``errors.py`` says which). Data
 crosses MPI as raw buffers, never as pickles.
 """
 
+import itertools
 import math
+import time
 import zlib
 
 import numpy as np
@@ -27,6 +29,7 @@ from mpi4py import MPI
 from mpi_strategy import _tf_internal
 from mpi_strategy import buffers
 from mpi_strategy import rendezvous as rendezvous_lib
+from mpi_strategy import timeline as timeline_lib
 from mpi_strategy.errors import CollectiveMismatchError, MPIStrategyError
 
 # Dtypes MPI can sum natively. float16 / bfloat16 are summed in float32 by the
@@ -51,6 +54,7 @@ class OrderedComm:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.rendezvous = rendezvous_lib.Rendezvous(comm, name_missing_ranks)
+        self._number = next(_numbers)  # names this communicator in the timeline
         self._pool = buffers.BufferPool()
         # The token must be a plain (non-distributed) variable: create it
         # outside any tf.function, on the host.
@@ -66,6 +70,10 @@ class OrderedComm:
         ``token`` (an int, the same on every rank) goes into the collective's
         signature, so that ranks whose earlier constants differed raise.
         """
+        trace = timeline_lib.current(self.rank)
+        if trace is not None:
+            fn = self._timed(fn, name, trace)
+
         def with_token(token, *arrays):
             return [token + 1] + list(fn(int(token), *arrays))
 
@@ -76,6 +84,19 @@ class OrderedComm:
                 stateful=True, name=name)
             self._token.assign(outputs[0])
         return outputs[1:]
+
+    def _timed(self, fn, name, trace):
+        """``fn``, recording each call in the timeline ``trace``."""
+        rendezvous = self.rendezvous
+        comm = (self._number, f"MPI communicator {self._number} ({self.size} ranks)")
+
+        def timed(token, *arrays):
+            start = time.perf_counter()
+            outs = fn(token, *arrays)
+            trace.collective(name, comm, start, rendezvous.agreed_at, time.perf_counter(),
+                             sum(a.nbytes for a in arrays), len(arrays), rendezvous.seq)
+            return outs
+        return timed
 
     # -- collectives -----------------------------------------------------------
     def allreduce_sum(self, x, timeout=None):
@@ -257,6 +278,8 @@ class OrderedComm:
 # 24 bits per constant: the token (an int64) does not overflow in 2^39 steps.
 _CONSTANT_HASH_MASK = (1 << 24) - 1
 
+
+_numbers = itertools.count()
 
 # Up to this many bytes, TensorFlow concatenates many tensors into one before
 # they cross into Python (see allreduce_sum_packed).

@@ -170,6 +170,12 @@ class Rendezvous:
         self.usable = True         # False once a timeout left a request pending
         self._received = None      # every rank's record of the last exchange
         self._token = 0            # the ordering token of the previous collective
+        self.agreed_at = 0.0       # time.perf_counter() when the last agreement completed
+
+    @property
+    def seq(self):
+        """The number of the last collective of this communicator (1, 2, ...)."""
+        return self._seq
 
     @property
     def carry_bytes(self):
@@ -229,6 +235,7 @@ class Rendezvous:
                 return None
         if differ:
             self._raise_disagreement(everyone, shapes)
+        self.agreed_at = time.perf_counter()
         return everyone
 
     def _exchange(self, mine, data, shapes, timeout):
