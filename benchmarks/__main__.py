@@ -19,7 +19,7 @@ import sys
 import time
 from importlib import metadata
 
-from benchmarks import cost_model, report
+from benchmarks import cost_model, report, timeline_view
 from tests.launch import mpiexec_command, mpiexec_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -133,6 +133,28 @@ def train_variant(model, variant, ranks, batch, steps, warmup):
     return result
 
 
+TIMELINE_MODELS = ["higgs_small", "widedeep"]
+
+
+def timeline_part(args, out_dir):
+    """Each latency-bound model trained with MPI_STRATEGY_TIMELINE on: per rank,
+    the median step split into waiting, transferring and outside collectives."""
+    steps, warmup = QUICK_STEPS if args.quick else (200, 20)
+    rows = {}
+    for model in TIMELINE_MODELS:
+        trace = os.path.join(os.path.abspath(out_dir), "timeline", f"{model}.json")
+        os.makedirs(os.path.dirname(trace), exist_ok=True)
+        _, error = launch_together([(
+            mpiexec_command(args.ranks) + _python("benchmarks.train_step", model, "mpi",
+                                                  "--steps", str(steps), "--warmup", str(warmup)),
+            dict(mpiexec_env(), MPI_STRATEGY_TIMELINE=trace))])
+        rows[model] = {"error": error, "trace": trace}
+        if not error:
+            rows[model]["ranks"] = timeline_view.summary(timeline_view.timeline.read_events(
+                timeline_view.timeline.merge(trace)))
+    return rows
+
+
 def machine_info():
     cpu = "unknown"
     with open("/proc/cpuinfo") as f:
@@ -205,6 +227,8 @@ def main():
     if error:
         raise RuntimeError(f"compute benchmark failed: {error}")
     result["compute"] = {r["model"]: r for r in rows}
+    progress("timeline of the latency-bound models")
+    result["timeline"] = timeline_part(args, out_dir)
     result["cost_model"] = cost_model.model_report(result)
     result["targets"] = report.targets(result)
     result["load_after"] = load_average()

@@ -190,11 +190,38 @@ def markdown(result):
             lines.append(f"| {name} | {label.split(' (')[0]} | " + " | ".join(
                 f"{by[p]['speedup']:.1f}" for p in shown) + " |")
 
+    lines += _timeline_lines(result)
     lines += ["", "### Plots", "",
               "![collectives](img/collectives.png)", "",
               "![training step](img/train_step.png)", "",
               "![scaling](img/scaling.png)"]
     return "\n".join(lines) + "\n"
+
+
+def _timeline_lines(result):
+    """The timeline part: per model and rank, where the median step's time goes."""
+    parts = result.get("timeline") or {}
+    if not parts:
+        return []
+    lines = ["", "### Where a latency-bound step's time goes (timeline)", "",
+             "`MPI_STRATEGY_TIMELINE` on, median step per rank (ms): waiting for the other "
+             "ranks in collectives, transferring, and everything outside collectives (the "
+             "model's compute and TensorFlow's per-step work). The timeline's own cost is in "
+             "these figures.", "",
+             "| model | rank | collectives / step | step | wait for ranks | transfer "
+             "| outside collectives |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for model, part in parts.items():
+        if part.get("error"):
+            lines.append(f"| {MODEL_NAMES.get(model, model)} | failed: "
+                         f"{part['error'].splitlines()[0][:80]} | | | | | |")
+            continue
+        for row in part["ranks"]:
+            lines.append(f"| {MODEL_NAMES.get(model, model)} | {row['rank']} | "
+                         f"{row['collectives_per_step']:.0f} | {row['step_ms']:.3f} | "
+                         f"{row['wait_ms']:.3f} | {row['transfer_ms']:.3f} | "
+                         f"{row['outside_ms']:.3f} |")
+    lines += ["", "![timeline](img/timeline.png)"]
+    return lines
 
 
 def plot_all(result, img_dir):
@@ -299,6 +326,16 @@ def update_docs(docs_path, text):
         f.write(head + BEGIN + "\n\n" + text + "\n" + END + tail)
 
 
+def _plot_timeline(result, img_dir):
+    from benchmarks import timeline_view
+    part = (result.get("timeline") or {}).get("higgs_small") or {}
+    if part.get("ranks") and os.path.exists(part["trace"]):
+        timeline_view.plot(timeline_view.timeline.read_events(part["trace"]),
+                           os.path.join(img_dir, "timeline.png"),
+                           f"{MODEL_NAMES['higgs_small']}: 3 steps, MPIStrategy, "
+                           f"{result['ranks']} ranks")
+
+
 def write_all(result, out_dir, img_dir, docs_path=None):
     """Writes ``latest.md`` into ``out_dir``, the PNGs into ``img_dir`` and,
     if ``docs_path``, the generated block of docs/benchmarks.md."""
@@ -306,6 +343,7 @@ def write_all(result, out_dir, img_dir, docs_path=None):
     with open(os.path.join(out_dir, "latest.md"), "w") as f:
         f.write(text.replace("](img/", "](" + os.path.relpath(img_dir, out_dir) + "/"))
     plot_all(result, img_dir)
+    _plot_timeline(result, img_dir)
     if docs_path:
         update_docs(docs_path, text)
 

@@ -95,3 +95,29 @@ def test_one_tiny_training_variant_end_to_end():
     text = markdown(result)
     assert "| " + MODEL_NAMES["embedding"] + " (8) | no strategy, 1 process |" in text
     assert "### Collectives (3 ranks," in text
+
+
+@pytest.mark.single_process
+def test_timeline_summary_splits_each_step(tmp_path):
+    from benchmarks import timeline_view
+
+    events = []
+    for rank in (0, 1):
+        for step in range(6):  # a 1 ms step: an allreduce (0.2 ms wait, 0.1 ms transfer)
+            t = 1000.0 * step + 300 + 50 * rank  # and a small broadcast
+            for name, ts, wait, transfer in [("allreduce", t, 200, 100),
+                                             ("broadcast", t + 400, 10, 5)]:
+                events += [{"ph": "X", "pid": rank, "name": name, "ts": ts,
+                            "dur": wait + transfer},
+                           {"ph": "X", "pid": rank, "name": "wait for ranks", "ts": ts,
+                            "dur": wait},
+                           {"ph": "X", "pid": rank, "name": "transfer", "ts": ts + wait,
+                            "dur": transfer}]
+    rows = timeline_view.summary(events)
+    assert [r["rank"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["collectives_per_step"] == 2 and r["step_ms"] == pytest.approx(1.0)
+        assert r["wait_ms"] == pytest.approx(0.21) and r["transfer_ms"] == pytest.approx(0.105)
+        assert r["outside_ms"] == pytest.approx(1.0 - 0.21 - 0.105)
+    png = timeline_view.plot(events, str(tmp_path / "t.png"), "synthetic")
+    assert os.path.getsize(png) > 1000
