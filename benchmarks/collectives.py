@@ -15,7 +15,7 @@ Rank 0 prints one JSON line per measurement:
   The fused reduction is also timed with ``compression="float16"`` (large
   tensors summed in 16 bits: half the bytes, plus the casts);
 - ``kind: "check"``: the agreement check that precedes every collective
-  (``rendezvous.Rendezvous.agree``: one 64-byte Allgather), for one scalar and
+  (``rendezvous.Rendezvous.agree``: one small Allgather), for one scalar and
   for the MLP's 6 gradient shapes.
 
 Times are the median of individually timed calls, the slowest rank's.

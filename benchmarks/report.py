@@ -128,7 +128,7 @@ def markdown(result):
 
     check = result.get("check")
     if check:
-        lines += ["", f"The agreement check that precedes every collective (one 64-byte "
+        lines += ["", f"The agreement check that precedes every collective (one small "
                   f"Allgather of what each rank is about to do, always on) costs "
                   f"{check['check_scalar_ms'] * 1e3:.1f} us for a scalar and "
                   f"{check['check_mlp_gradients_ms'] * 1e3:.1f} us for the MLP's 6 gradients "
