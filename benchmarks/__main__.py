@@ -2,6 +2,7 @@
 
     python -m benchmarks            # full run (<= 15 min on 2 cores): results, plots, docs
     python -m benchmarks --quick    # smoke run (a couple of minutes) into benchmarks/results/quick/
+    python -m benchmarks --links    # only the emulated slow link (root: netns + tc): links.json/.md
 
 Full run: benchmarks/results/latest.json and latest.md, docs/img/*.png, and the
 generated block of docs/benchmarks.md. Each figure of docs/benchmarks.md comes
@@ -189,8 +190,13 @@ def main():
                         "(default benchmarks/results, or benchmarks/results/quick with --quick)")
     parser.add_argument("--no-docs", action="store_true",
                         help="do not update docs/img and docs/benchmarks.md (implied by --quick)")
+    parser.add_argument("--links", action="store_true",
+                        help="only the overlap benchmark on an emulated slow link (needs root "
+                        "for network namespaces; skipped with a message otherwise)")
     args = parser.parse_args()
     out_dir = args.out_dir or os.path.join(HERE, "results", "quick" if args.quick else "")
+    if args.links:
+        return run_links(args.quick, out_dir)
     write_docs = not (args.quick or args.no_docs)
     started = time.monotonic()
     result = {"time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": args.quick,
@@ -243,6 +249,30 @@ def main():
     report.write_all(result, out_dir, img_dir,
                      docs_path=os.path.join(REPO, "docs", "benchmarks.md") if write_docs else None)
     progress(f"done: {json_path}")
+
+
+def run_links(quick, out_dir):
+    """The ``--links`` part alone: benchmarks/links.py, into links.json and links.md."""
+    from benchmarks import links
+    started = time.monotonic()
+    result = {"time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": quick,
+              "command": "python -m benchmarks --links" + (" --quick" * quick),
+              "machine": machine_info(), "load_before": load_average()}
+    result["links"] = links.run(quick, progress=lambda what: print(
+        f"[{time.monotonic() - started:6.0f} s] {what}", file=sys.stderr, flush=True))
+    result["load_after"] = load_average()
+    result["duration_s"] = time.monotonic() - started
+    if "skipped" in result["links"]:
+        print(result["links"]["skipped"], file=sys.stderr)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "links.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    text = "\n".join(links.markdown(result["links"])
+                     + [f"Load average before / after: {result['load_before']} / "
+                        f"{result['load_after']} (2 cores, shared machine).", ""])
+    with open(os.path.join(out_dir, "links.md"), "w") as f:
+        f.write(text)
+    print(text)
 
 
 if __name__ == "__main__":

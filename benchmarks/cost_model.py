@@ -18,8 +18,17 @@ A training step of one replica (one rank per core, per-replica batch b) is::
     T_step(p) = b x t_sample + T_allreduce(p, 4 x parameters)
 
 with t_sample the per-sample compute time measured without a strategy on one
-core of this machine (forward, backward and SGD update at batch b). Nothing
-overlaps. Throughput speedup over one core is ``p x T_step(1) / T_step(p)``
+core of this machine (forward, backward and SGD update at batch b), and
+nothing overlapping. With buckets (``CommunicationOptions.bytes_per_pack``,
+last layers first) the backward pass hides part of the reduction::
+
+    T_step(p) = T_c + max(sum_k T_allreduce(p, n_k) - w T_c, T_allreduce(p, n_last))
+
+with ``w`` (``OVERLAP_WINDOW``) the share of the compute that remains after
+the first bucket is ready, and ``n_last`` the first layers' bucket, which is
+ready only when the backward pass ends. Each step is also labelled by its
+largest term: compute-bound (T_c), latency-bound (2 log2(p) alpha) or
+bandwidth-bound (2 (p-1)/p n beta). Throughput speedup over one core is ``p x T_step(1) / T_step(p)``
 (weak scaling: the per-replica batch stays b, as in the paper's runs).
 
 On more than one node every step of the allreduce is charged at the slower
@@ -44,6 +53,11 @@ NETWORKS = {
     "10GbE (assumed: alpha 50 us, 1.1 GB/s)": {"alpha": 50e-6, "beta": 1 / 1.1e9},
     "InfiniBand FDR (assumed: alpha 2 us, 6 GB/s)": {"alpha": 2e-6, "beta": 1 / 6.0e9},
 }
+# Overlap: the share of a step's compute left when the first (last layers')
+# bucket is ready (assumed: backward is ~2/3 of the step, and the last layers'
+# gradients come a little after it starts), and the bucket size projected.
+OVERLAP_WINDOW = 0.5
+BYTES_PER_PACK = 256 << 10
 CORES_PER_NODE = 20  # assumed (the paper's Higgs run goes 20 -> 80 cores, i.e. 1 -> 4 nodes)
 CORE_COUNTS = [1, 2, 4, 8, 16, 20, 32, 40, 64, 80, 160, 320]  # 320 = 16 nodes
 
@@ -100,6 +114,43 @@ def step_time(p, compute_s, nbytes, intra, network, cores_per_node=CORES_PER_NOD
     return compute_s + allreduce_time(nbytes, p, link["alpha"], link["beta"])
 
 
+def link_at(p, intra, network, cores_per_node=CORES_PER_NODE):
+    """alpha and beta of an allreduce over ``p`` ranks (one per core)."""
+    if p <= cores_per_node:
+        return intra
+    return {k: max(intra[k], network[k]) for k in ("alpha", "beta")}
+
+
+def bucket_bytes(nbytes, bytes_per_pack=BYTES_PER_PACK):
+    """Bytes of each bucket, first reduced first: equal buckets of at most ``bytes_per_pack``."""
+    k = max(1, math.ceil(nbytes / bytes_per_pack)) if bytes_per_pack > 0 else 1
+    return [nbytes / k] * k
+
+
+def overlapped_step_time(p, compute_s, buckets, link, window=OVERLAP_WINDOW):
+    """Seconds per step when bucket k's allreduce may run during the backward pass.
+
+    The last ``window`` x compute hides reduction time, except the last
+    bucket's (the first layers', ready only at the end of the backward pass).
+    Never below ``max(compute, total reduction)``.
+    """
+    times = [allreduce_time(b, p, link["alpha"], link["beta"]) for b in buckets]
+    exposed = max(sum(times) - window * compute_s, times[-1])
+    return compute_s + exposed
+
+
+def bound_by(p, compute_s, nbytes, link):
+    """Which term of an unbucketed step is largest: compute, latency or bandwidth."""
+    if p <= 1:
+        return "compute-bound"
+    latency = 2 * math.log2(p) * link["alpha"]
+    bandwidth = 2 * (p - 1) / p * nbytes * link["beta"]
+    largest = max(compute_s, latency, bandwidth)
+    if largest == compute_s:
+        return "compute-bound"
+    return "latency-bound" if largest == latency else "bandwidth-bound"
+
+
 def project(workloads, intra, networks=None, core_counts=None,
             cores_per_node=CORES_PER_NODE):
     """Projected step time and speedup for each workload, network and core count.
@@ -121,17 +172,28 @@ def project(workloads, intra, networks=None, core_counts=None,
             one = step_time(1, w["compute_s"], nbytes, intra, net, cores_per_node)
             for p in core_counts:
                 t = step_time(p, w["compute_s"], nbytes, intra, net, cores_per_node)
+                link = link_at(p, intra, net, cores_per_node)
+                overlapped = overlapped_step_time(p, w["compute_s"], bucket_bytes(nbytes), link)
                 rows.append({"workload": name, "network": label, "cores": p,
                              "nodes": math.ceil(p / cores_per_node),
                              "step_ms": t * 1e3, "allreduce_ms": (t - w["compute_s"]) * 1e3,
-                             "speedup": p * one / t})
+                             "speedup": p * one / t,
+                             "overlapped_step_ms": overlapped * 1e3,
+                             "overlapped_speedup": p * one / overlapped,
+                             "bound": bound_by(p, w["compute_s"], nbytes, link)})
     return rows
 
 
-def speedup_at(rows, workload, network, cores, base=1):
-    by_cores = {r["cores"]: r["speedup"] for r in rows
+def speedup_at(rows, workload, network, cores, base=1, key="speedup"):
+    by_cores = {r["cores"]: r[key] for r in rows
                 if r["workload"] == workload and r["network"] == network}
     return by_cores[cores] / by_cores[base]
+
+
+def bounds_between(rows, workload, network, low, high):
+    """{cores: bound} of ``workload`` on ``network`` for low <= cores <= high."""
+    return {r["cores"]: r["bound"] for r in rows if r["workload"] == workload
+            and r["network"] == network and low <= r["cores"] <= high}
 
 
 def calibrate_from_results(report):
@@ -161,8 +223,13 @@ def model_report(report):
                                "base_cores": base, "paper_speedup": paper,
                                "projected_step_ms": at["step_ms"],
                                "projected_allreduce_ms": at["allreduce_ms"],
-                               "projected_speedup": speedup_at(rows, name, label, cores, base)})
+                               "projected_speedup": speedup_at(rows, name, label, cores, base),
+                               "projected_speedup_overlapped": speedup_at(
+                                   rows, name, label, cores, base, "overlapped_speedup"),
+                               "bound": at["bound"],
+                               "bound_16_to_64_cores": bounds_between(rows, name, label, 16, 64)})
     return {"algorithm": ALGORITHM, "calibration": fit, "networks": NETWORKS,
+            "overlap": {"window": OVERLAP_WINDOW, "bytes_per_pack": BYTES_PER_PACK},
             "cores_per_node": CORES_PER_NODE, "workloads": workloads,
             "projection": rows, "paper_comparison": comparison}
 

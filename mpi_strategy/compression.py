@@ -1,9 +1,11 @@
 """How a fused group of floating-point tensors is summed on the wire: exactly, or in 16 bits.
 
 ``MPIStrategy(compression="float16")`` (or ``"bfloat16"``) sends every
-float32/float64 tensor of at least ``MIN_BYTES`` in an all-reduce - in
+float32/float64 tensor of at least ``MIN_BYTES`` (16 KiB) in an all-reduce - in
 practice the weight gradients of a step - in half the bytes of float32.
 Smaller tensors (losses, metrics, biases) and integers are summed exactly.
+``compression=SixteenBit("bfloat16", min_bytes=64 * 1024)`` sets another
+threshold.
 
 The compressed sum moves the bytes as MPI's large-message Allreduce does
 (reduce-scatter, then allgather: each rank sends and receives 2 (p-1)/p of the
@@ -17,13 +19,34 @@ above 65504 becomes inf (a dynamic loss scale, as in Keras' mixed precision,
 backs off from it like from any overflow; otherwise prefer bfloat16);
 bfloat16 keeps float32's range with 8 significant bits.
 
-A policy is any object with ``allreduce(tensors, mpi, timeout)`` summing a
-list of tensors of one dtype over the ranks of ``mpi`` (an ``OrderedComm``).
+**The policy protocol.** ``compression=`` also takes any object with
+
+- ``name``: a non-empty str naming the policy and its settings. The ranks
+  compare it when the strategy is built, so it must be the same on every rank
+  (and should differ when the settings differ).
+- ``allreduce(tensors, mpi, timeout=None)``: ``tensors`` is a list of dense
+  tensors of one dtype (any shapes), one fused group of a reduction;
+  ``mpi`` is the ``mpi_ops.OrderedComm`` to sum them over (its
+  ``allreduce_sum_packed``, ``alltoall`` and ``allgather`` take the same
+  ``timeout``). It returns the sum over all ranks of each tensor, in order,
+  with the same shapes and dtype, and the same values on every rank. It is
+  called eagerly or while a ``tf.function`` is traced, so it must use
+  TensorFlow ops, and every rank must issue the same collectives.
+
+The strategy checks the protocol when it is built (``resolve``) and raises a
+``TypeError`` (``ValueError`` for an empty name) saying what is wrong.
+Subclassing ``Exact`` gives a policy whose ``super().allreduce`` is the exact
+sum.
 """
+
+import inspect
+import numbers
 
 import tensorflow as tf
 
-MIN_BYTES = 16 * 1024  # smaller tensors are summed exactly
+MIN_BYTES = 16 * 1024  # default threshold: smaller tensors are summed exactly
+
+_PROTOCOL = "a `name` (str) and an `allreduce(tensors, mpi, timeout=None)` method"
 
 
 class Exact:
@@ -36,18 +59,36 @@ class Exact:
 
 
 class SixteenBit(Exact):
-    """Large float32/float64 groups travel as ``wire_dtype`` (float16 or bfloat16)."""
+    """float32/float64 tensors of at least ``min_bytes`` travel as ``wire_dtype``.
 
-    def __init__(self, wire_dtype):
+    Args:
+      wire_dtype: ``"float16"`` or ``"bfloat16"`` (or the ``tf.DType``).
+      min_bytes: smaller tensors (and all tensors of other dtypes) are summed
+        exactly. Part of ``name``, so ranks with different thresholds raise
+        when the strategy is built.
+    """
+
+    def __init__(self, wire_dtype, min_bytes=MIN_BYTES):
         self.wire_dtype = tf.as_dtype(wire_dtype)
-        self.name = self.wire_dtype.name
+        if self.wire_dtype not in (tf.float16, tf.bfloat16):
+            raise ValueError(f"mpi_strategy: SixteenBit's wire_dtype must be float16 or "
+                             f"bfloat16; got {self.wire_dtype.name}.")
+        # bool is an int subclass, but True bytes is surely a mistake.
+        if not isinstance(min_bytes, numbers.Integral) or isinstance(min_bytes, bool):
+            raise TypeError(f"mpi_strategy: SixteenBit's min_bytes must be an int; "
+                            f"got {min_bytes!r}.")
+        if min_bytes < 0:
+            raise ValueError(f"mpi_strategy: SixteenBit's min_bytes must be >= 0; got {min_bytes}.")
+        self.min_bytes = int(min_bytes)
+        # The default keeps the plain name that logs and error messages show.
+        self.name = self.wire_dtype.name + (
+            "" if self.min_bytes == MIN_BYTES else f"(min_bytes={self.min_bytes})")
 
     def allreduce(self, tensors, mpi, timeout=None):
         dtype = tensors[0].dtype
         if mpi.size == 1 or dtype not in (tf.float32, tf.float64):
             return super().allreduce(tensors, mpi, timeout)
-        large = [i for i, t in enumerate(tensors)
-                 if (t.shape.num_elements() or 0) * dtype.size >= MIN_BYTES]
+        large = [i for i, t in enumerate(tensors) if self._is_large(t)]
         small = sorted(set(range(len(tensors))) - set(large))
         results = [None] * len(tensors)
         if small:
@@ -57,6 +98,11 @@ class SixteenBit(Exact):
             for i, r in zip(large, self._allreduce_16([tensors[i] for i in large], mpi, timeout)):
                 results[i] = r
         return results
+
+    def _is_large(self, tensor):
+        nbytes = (tensor.shape.num_elements() or 0) * tensor.dtype.size
+        # Empty tensors stay exact even at min_bytes=0: nothing to split into slices.
+        return nbytes > 0 and nbytes >= self.min_bytes
 
     def _allreduce_16(self, tensors, mpi, timeout):
         dtype = tensors[0].dtype
@@ -87,13 +133,49 @@ _BY_NAME = {None: Exact, "none": Exact,
 
 
 def resolve(compression):
-    """The policy for ``compression``: None, "float16", "bfloat16" or a policy object."""
-    if hasattr(compression, "allreduce"):
-        return compression
-    if isinstance(compression, str) or compression is None:
+    """The policy for ``compression``: None, "float16", "bfloat16" or a policy object.
+
+    A policy object is checked against the protocol (module docstring) and
+    returned as it is. Called by every rank before any MPI call of the
+    strategy's construction, so a bad policy raises alike on every rank.
+    """
+    if compression is None or isinstance(compression, str):
         key = compression.lower() if isinstance(compression, str) else None
         if key in _BY_NAME:
             return _BY_NAME[key]()
-    raise ValueError(
-        f"mpi_strategy: compression must be None, 'float16' or 'bfloat16' (or an object "
-        f"with an allreduce(tensors, mpi, timeout) method); got {compression!r}.")
+        raise ValueError(
+            f"mpi_strategy: compression must be None, 'float16' or 'bfloat16' (or a policy "
+            f"object with {_PROTOCOL}); got {compression!r}.")
+    check_policy(compression)
+    return compression
+
+
+def check_policy(policy):
+    """Raises a TypeError or ValueError saying how ``policy`` breaks the protocol."""
+    what = f"mpi_strategy: the compression policy {type(policy).__qualname__}"
+    allreduce = getattr(policy, "allreduce", None)
+    if allreduce is None:
+        raise TypeError(f"{what} has no `allreduce` method; a policy needs {_PROTOCOL}.")
+    if not callable(allreduce):
+        raise TypeError(f"{what}: `allreduce` is not callable (a {type(allreduce).__name__}); "
+                        f"a policy needs {_PROTOCOL}.")
+    _check_allreduce_parameters(what, allreduce)
+    name = getattr(policy, "name", None)
+    if not isinstance(name, str):
+        raise TypeError(f"{what}: `name` must be a str (the ranks compare it); got {name!r}.")
+    if not name:
+        raise ValueError(f"{what}: `name` is empty; it names the policy and its settings.")
+
+
+def _check_allreduce_parameters(what, allreduce):
+    try:
+        signature = inspect.signature(allreduce)
+    except (TypeError, ValueError):  # some builtins have no signature: nothing to check
+        return
+    # The strategy calls allreduce(tensors, mpi=..., timeout=...).
+    try:
+        signature.bind(object(), mpi=object(), timeout=None)
+    except TypeError as exc:
+        raise TypeError(f"{what}: `allreduce{signature}` cannot be called as "
+                        f"allreduce(tensors, mpi=..., timeout=...) ({exc}); a policy needs "
+                        f"{_PROTOCOL}.") from None

@@ -39,12 +39,15 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         merged over these.
       compression: None (exact sums), ``"float16"`` or ``"bfloat16"``: large
         floating-point reductions (the gradients) travel in 16 bits, half the
-        bytes; see ``mpi_strategy.compression``. The same on every rank.
+        bytes; or a policy object such as
+        ``compression.SixteenBit("bfloat16", min_bytes=...)`` (the protocol is
+        in ``mpi_strategy.compression``; checked here). The same on every rank.
     """
 
     def __init__(self, comm=None, options=None, compression=None):
         super().__init__()
         self._options = options or tf.distribute.experimental.CommunicationOptions()
+        # Before any MPI call: a bad policy raises on every rank, none waits.
         self._compression = compression_lib.resolve(compression)
         comm = resolve_comm(comm)
         check_same_on_all_ranks(comm, zlib.crc32(self.compression.encode()),
@@ -54,7 +57,7 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
     @property
     def compression(self):
         """How large float sums travel: "none", "float16", "bfloat16" or a policy's name."""
-        return str(getattr(self._compression, "name", type(self._compression).__name__))
+        return self._compression.name
 
     def _timeout(self, options):
         return self._options.merge(options).timeout_seconds
@@ -82,19 +85,27 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs,
                                     options):
+        options = self._options.merge(options)
         reduced = self.all_reduce_values(
             reduce_op, [value for value, _ in value_destination_pairs],
-            timeout=self._timeout(options))
+            timeout=options.timeout_seconds, bytes_per_pack=options.bytes_per_pack)
         return [
             _tf_internal.simple_broadcast(r, destinations)
             for r, (_, destinations) in zip(reduced, value_destination_pairs)
         ]
 
-    def all_reduce_values(self, reduce_op, values, timeout=None):
+    def all_reduce_values(self, reduce_op, values, timeout=None, bytes_per_pack=None):
         """Reduces each of ``values`` over all replicas of all ranks.
 
-        Returns one tensor (or ``IndexedSlices``) per value, on the host.
+        Returns one tensor (or ``IndexedSlices``) per value, on the host, the
+        same on every rank. Dense values are summed in one MPI call per dtype,
+        or, with ``bytes_per_pack`` > 0 (default: this object's
+        ``CommunicationOptions.bytes_per_pack``), in buckets of about that many
+        bytes, last values first (``fusion.buckets``): bit-identical sums, and a
+        bucket's MPI call can run while the values of later buckets are computed.
         """
+        if bytes_per_pack is None:
+            bytes_per_pack = self._options.bytes_per_pack
         allreduce = functools.partial(self._compression.allreduce, mpi=self._mpi,
                                       timeout=timeout)
         reduce_op = ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op
@@ -104,7 +115,7 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
 
         results = [None] * len(values)
         local_sums = [_local_sum(parts[i]) for i in dense]
-        for i, r in zip(dense, fusion.fused_allreduce(local_sums, allreduce)):
+        for i, r in zip(dense, fusion.fused_allreduce(local_sums, allreduce, bytes_per_pack)):
             results[i] = r
         gathered = self._allgather_indexed_slices([parts[i] for i in sparse], timeout)
         for i, r in zip(sparse, gathered):

@@ -20,6 +20,7 @@ crosses MPI as raw buffers, never as pickles.
 import itertools
 import math
 import time
+import weakref
 import zlib
 
 import numpy as np
@@ -47,10 +48,19 @@ class OrderedComm:
     """
 
     def __init__(self, comm, name_missing_ranks=False):
-        """``name_missing_ranks``: make timeouts name the ranks that never
+        """Collective over ``comm``: every rank of it creates its OrderedComm
+        at the same point. The collectives run on a duplicate of ``comm``
+        (``comm.Dup()``, freed with this object), so that they never match
+        the program's own MPI calls on ``comm``, nor those of another
+        OrderedComm of the same ``comm``.
+
+        ``name_missing_ranks``: make timeouts name the ranks that never
         arrived (costs a few bytes of point-to-point messages per collective
         when a timeout is used)."""
-        self.comm = comm
+        self.comm = comm.Dup()
+        # Not at exit: the end-of-program meeting (write_point.py) may still
+        # use it, and MPI_Finalize frees it anyway.
+        weakref.finalize(self, self.comm.Free).atexit = False
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.rendezvous = rendezvous_lib.Rendezvous(comm, name_missing_ranks)

@@ -24,6 +24,7 @@ arrived, with the last collective each of them entered.
 import functools
 import math
 import time
+import weakref
 import zlib
 
 import numpy as np
@@ -163,6 +164,8 @@ class Rendezvous:
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         self._seq = 0
         self._announce_comm = comm.Dup() if name_missing_ranks and self._size > 1 else None
+        if self._announce_comm is not None:  # freed with this object (not at exit)
+            weakref.finalize(self, self._announce_comm.Free).atexit = False
         self._last_seen = np.zeros(self._size, np.int64)  # last collective each rank entered
         self._sends = []
         self.saving_alone = False  # set by write_point.py around a save only this rank made

@@ -13,6 +13,7 @@ import tensorflow as tf
 from mpi4py import MPI
 
 from mpi_strategy import _keras_internal, _tf_internal, saving, write_point
+from mpi_strategy import compression as compression_lib
 from mpi_strategy.cluster_resolver import MPIClusterResolver
 from mpi_strategy.cross_device_ops import MPICrossDeviceOps
 from mpi_strategy.errors import MPIStrategyError
@@ -45,13 +46,17 @@ class MPIStrategy(tf.distribute.Strategy):
         makes a rank that waits more than T seconds for the others to reach a
         collective raise an error naming the collective and the missing ranks
         (without it, such a rank waits forever, as MPI does).
-        ``implementation`` and ``bytes_per_pack`` are accepted and ignored
-        (with a warning, once).
+        ``bytes_per_pack=B`` sums the gradients in buckets of about B bytes,
+        last layers first, so that their MPI calls overlap the rest of the
+        backward pass (worth it where the network is slow; results are
+        bit-identical). ``implementation`` is accepted and ignored (with a
+        warning, once).
       compression: None (default: exact sums), ``"float16"`` or
         ``"bfloat16"``: float tensors of 16 KiB or more in an all-reduce (the
         weight gradients) travel in 16 bits, half the bytes of float32, for
-        networks where bandwidth limits the step. Lossy; see
-        ``mpi_strategy.compression``.
+        networks where bandwidth limits the step. Lossy. Or a policy object,
+        e.g. ``mpi_strategy.compression.SixteenBit("bfloat16", min_bytes=...)``
+        for another threshold: see ``mpi_strategy.compression``.
     """
 
     # MirroredExtended reads this from its container strategy.
@@ -85,6 +90,8 @@ class MPIExtended(_tf_internal.MirroredExtended):
 
     def __init__(self, container_strategy, comm=None, devices=None,
                  communication_options=None, compression=None):
+        # Checked before any MPI call or process-wide hook, alike on every rank.
+        compression = compression_lib.resolve(compression)
         comm = resolve_comm(comm)
         if communication_options is None:
             communication_options = tf.distribute.experimental.CommunicationOptions()
@@ -200,7 +207,8 @@ class MPIExtended(_tf_internal.MirroredExtended):
             return super()._replica_ctx_all_reduce(reduce_op, value, options)
         options = self._communication_options.merge(options)
         reduced = self._cross_device_ops.all_reduce_values(
-            reduce_op, tf.nest.flatten(value), timeout=options.timeout_seconds)
+            reduce_op, tf.nest.flatten(value), timeout=options.timeout_seconds,
+            bytes_per_pack=options.bytes_per_pack)
         return tf.nest.pack_sequence_as(
             value, [_tf_internal.simple_broadcast(r, self._devices[0]) for r in reduced])
 
@@ -316,8 +324,6 @@ def _warn_once_if_ignored(options):
     ignored = []
     if options.implementation != tf.distribute.experimental.CommunicationImplementation.AUTO:
         ignored.append(f"implementation={options.implementation.name}")
-    if options.bytes_per_pack:
-        ignored.append(f"bytes_per_pack={options.bytes_per_pack}")
     if ignored and not _warned_ignored:
         _warned_ignored.append(True)
         logger.warning(

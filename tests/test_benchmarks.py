@@ -64,6 +64,43 @@ def test_cost_model_fits_and_projects_sanely():
 
 
 @pytest.mark.single_process
+def test_overlap_hides_at_most_the_backward_pass_and_each_step_is_labelled_by_its_bound():
+    link = {"alpha": ALPHA, "beta": BETA}
+    compute = 0.01
+    for nbytes in (4e3, 1e6, 4e7, 4e8):  # from hidden entirely to much longer than compute
+        buckets = cost_model.bucket_bytes(nbytes)
+        assert math.isclose(sum(buckets), nbytes) and max(buckets) <= cost_model.BYTES_PER_PACK
+        unbucketed = cost_model.step_time(8, compute, nbytes, link, link)
+        overlapped = cost_model.overlapped_step_time(8, compute, buckets, link)
+        reduction = sum(cost_model.allreduce_time(b, 8, ALPHA, BETA) for b in buckets)
+        assert max(compute, reduction) <= overlapped + 1e-12   # never better than the max
+        last = cost_model.allreduce_time(buckets[-1], 8, ALPHA, BETA)
+        assert overlapped >= compute + last - 1e-12            # the first layers' bucket waits
+        if len(buckets) == 1:
+            assert math.isclose(overlapped, unbucketed)        # one bucket: nothing to overlap
+        else:  # hides up to the window of compute, minus the extra latencies of the buckets
+            extra_latency = (len(buckets) - 1) * 2 * math.log2(8) * ALPHA
+            assert overlapped <= unbucketed + extra_latency - min(
+                cost_model.OVERLAP_WINDOW * compute, reduction - last) + 1e-12
+    assert cost_model.bound_by(1, compute, 4e8, link) == "compute-bound"
+    assert cost_model.bound_by(64, compute, 4e3, link) == "compute-bound"
+    assert cost_model.bound_by(64, compute, 4e8, link) == "bandwidth-bound"
+    assert cost_model.bound_by(64, 1e-6, 8, link) == "latency-bound"
+
+    # The paper's workloads: a label and an overlapped speedup per network and core count.
+    workloads = {"tiny": {"params": 1_000, "compute_s": 1e-3},
+                 "large": {"params": 50_000_000, "compute_s": 0.05}}
+    rows = cost_model.project(workloads, link)
+    bounds = cost_model.bounds_between(rows, "large", list(cost_model.NETWORKS)[0], 16, 64)
+    assert set(bounds) == {16, 20, 32, 40, 64} and set(bounds.values()) == {"bandwidth-bound"}
+    for r in rows:
+        assert r["overlapped_step_ms"] <= r["step_ms"] + 1e3 * (
+            math.ceil(4 * workloads[r["workload"]]["params"] / cost_model.BYTES_PER_PACK)
+            * 2 * math.log2(max(r["cores"], 2)) * max(ALPHA, *(
+                n["alpha"] for n in cost_model.NETWORKS.values())))
+
+
+@pytest.mark.single_process
 def test_one_tiny_training_variant_end_to_end():
     from benchmarks.__main__ import train_variant
     from benchmarks.report import MODEL_NAMES, markdown, rss_ratio

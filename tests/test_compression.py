@@ -66,7 +66,8 @@ def test_large_tensors_go_16_bit_in_one_alltoall_and_allgather_small_ones_exact(
     # 16-bit values on the wire: half the bytes of float32.
     for name in ("MPIAllgather", "MPIAlltoall"):
         assert [t.dtype for t in calls[name].inputs[1:]] == [tf.uint16], calls[name].inputs
-    assert [t.shape for t in calls["MPIAllreduce"].inputs[1:]] == [(), (10,)]
+    # The two small ones, exact, concatenated by TensorFlow into one input (mpi_ops).
+    assert [(t.dtype, t.shape) for t in calls["MPIAllreduce"].inputs[1:]] == [(tf.float32, (11,))]
 
 
 def test_small_integer_and_unknown_reductions_stay_exact(mpi):
@@ -145,3 +146,142 @@ def test_float16_overflow_is_inf_and_bfloat16_keeps_the_range(mpi):
     assert np.isinf(compression.resolve("float16").allreduce(big, mpi)[0].numpy()).all()
     out = compression.resolve("bfloat16").allreduce(big, mpi)[0].numpy()
     np.testing.assert_allclose(out, 7e4 * SIZE, rtol=2 ** -7)
+
+
+# -- the policy protocol and the threshold ---------------------------------------------------
+class _Named:
+    name = "custom"
+
+
+class _NoAllreduce(_Named):
+    pass
+
+
+class _AllreduceNotCallable(_Named):
+    allreduce = 3
+
+
+class _NoTimeout(_Named):
+    def allreduce(self, tensors, mpi):
+        return tensors
+
+
+class _CommNotMpi(_Named):
+    def allreduce(self, tensors, comm, timeout=None):
+        return tensors
+
+
+class _NameNotStr(compression.Exact):
+    name = None
+
+
+class _EmptyName(compression.Exact):
+    name = ""
+
+
+@pytest.mark.parametrize("policy,error,message", [
+    (_NoAllreduce(), TypeError, "_NoAllreduce has no `allreduce` method"),
+    (_AllreduceNotCallable(), TypeError, "`allreduce` is not callable"),
+    (_NoTimeout(), TypeError, r"`allreduce\(tensors, mpi\)` cannot be called as "
+                              r"allreduce\(tensors, mpi=..., timeout=...\)"),
+    (_CommNotMpi(), TypeError, r"`allreduce\(tensors, comm, timeout=None\)` cannot be called"),
+    (_NameNotStr(), TypeError, "`name` must be a str"),
+    (_EmptyName(), ValueError, "`name` is empty"),
+], ids=["no-allreduce", "not-callable", "no-timeout", "comm-not-mpi", "name-not-str",
+        "empty-name"])
+def test_strategy_rejects_a_policy_that_breaks_the_protocol(policy, error, message):
+    # Raised on every rank before any collective, so no rank is left waiting.
+    with pytest.raises(error, match=message):
+        MPIStrategy(devices=local_devices(), compression=policy)
+    with pytest.raises(error, match=message):
+        MPICrossDeviceOps(compression=policy)
+
+
+@pytest.mark.parametrize("wire,min_bytes,error,message", [
+    ("float16", -1, ValueError, "min_bytes must be >= 0; got -1"),
+    ("float16", 1.5, TypeError, "min_bytes must be an int; got 1.5"),
+    ("float16", True, TypeError, "min_bytes must be an int; got True"),
+    ("float32", 0, ValueError, "wire_dtype must be float16 or bfloat16; got float32"),
+], ids=["negative", "float", "bool", "float32-wire"])
+def test_sixteen_bit_rejects_bad_settings(wire, min_bytes, error, message):
+    with pytest.raises(error, match=message):
+        compression.SixteenBit(wire, min_bytes=min_bytes)
+
+
+def test_the_name_carries_a_threshold_other_than_the_default():
+    assert compression.resolve("float16").name == "float16"
+    assert compression.resolve("bfloat16").min_bytes == compression.MIN_BYTES == 16 * 1024
+    assert compression.SixteenBit("bfloat16", min_bytes=np.int64(1024)).name == \
+        "bfloat16(min_bytes=1024)"
+
+
+@pytest.mark.parametrize("min_bytes", [1024, compression.MIN_BYTES])
+def test_only_tensors_of_at_least_min_bytes_are_rounded(mpi, min_bytes):
+    policy = (compression.resolve("bfloat16") if min_bytes == compression.MIN_BYTES
+              else compression.SixteenBit("bfloat16", min_bytes=min_bytes))
+    value = 1 + 2 ** -10  # exact in float32, 1.0 in bfloat16
+    elements = min_bytes // 4
+    under, at = tf.fill([elements - 1], value), tf.fill([elements], value)
+    out_under, out_at = (o.numpy() for o in policy.allreduce([under, at], mpi))
+    np.testing.assert_array_equal(out_under, np.float32(value) * SIZE)
+    # A 1-rank world sends nothing, so nothing is rounded.
+    np.testing.assert_array_equal(out_at, np.float32(value if SIZE == 1 else SIZE))
+
+
+def test_ranks_must_agree_on_the_threshold():
+    if SIZE == 1:
+        pytest.skip("needs two ranks to disagree")
+    policy = compression.SixteenBit("float16", min_bytes=1024 if RANK == 0 else 2048)
+    with pytest.raises(MPIStrategyError, match=r"compression \(here 'float16\(min_bytes=\d+\)'\) "
+                                               "differs between ranks"):
+        MPICrossDeviceOps(compression=policy)
+
+
+class _CountingExact(compression.Exact):
+    """Exact sums, counting the groups (at trace time, as every policy is called)."""
+
+    name = "counting-exact"
+
+    def __init__(self):
+        self.groups = 0
+
+    def allreduce(self, tensors, mpi, timeout=None):
+        self.groups += 1
+        return super().allreduce(tensors, mpi, timeout)
+
+
+def test_a_custom_policy_sums_the_strategys_reductions():
+    policy = _CountingExact()
+    strategy = MPIStrategy(devices=local_devices(), compression=policy)
+    assert strategy.extended._cross_device_ops.compression == "counting-exact"
+
+    @tf.function
+    def step():
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            replica = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+            return ctx.all_reduce("SUM", tf.fill([3], replica))
+        return strategy.experimental_local_results(strategy.run(fn))[0]
+
+    np.testing.assert_array_equal(step().numpy(), [sum(range(NUM_REPLICAS))] * 3)
+    # TensorFlow skips the reduction of a single replica altogether.
+    assert policy.groups == (1 if NUM_REPLICAS > 1 else 0)
+
+
+def test_strategy_takes_a_sixteen_bit_policy_with_its_threshold():
+    # The 200 x 100 float32 gradient (80,000 bytes) is just under the threshold: exact.
+    strategy = MPIStrategy(devices=local_devices(),
+                           compression=compression.SixteenBit("float16", min_bytes=80_004))
+    assert strategy.extended._cross_device_ops.compression == "float16(min_bytes=80004)"
+
+    @tf.function
+    def step():
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            replica = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+            return ctx.all_reduce("SUM", tf.fill([200, 100], 0.1 + replica))
+        return strategy.experimental_local_results(strategy.run(fn))[0]
+
+    exact = sum(np.float32(0.1 + r) for r in range(NUM_REPLICAS))
+    # float16 would be off by far more than float32's summation-order error.
+    assert float(step()[0, 0]) == pytest.approx(float(exact), rel=1e-6)

@@ -61,6 +61,20 @@ class CountingComm:
         return counted
 
 
+def test_collectives_run_on_their_own_duplicate_freed_with_the_ordered_comm():
+    import gc
+    from mpi4py import MPI
+    ordered, other = OrderedComm(WORLD), OrderedComm(WORLD)
+    dup = ordered.comm
+    assert MPI.Comm.Compare(dup, WORLD) == MPI.CONGRUENT  # same ranks, own matching
+    assert MPI.Comm.Compare(other.comm, dup) == MPI.CONGRUENT
+    assert float(ordered.allreduce_sum(tf.constant(1.0))) == SIZE
+    del ordered
+    gc.collect()
+    assert dup == MPI.COMM_NULL
+    assert float(other.allreduce_sum(tf.constant(2.0))) == 2 * SIZE
+
+
 def test_small_collectives_take_one_mpi_call_and_large_ones_two():
     if SIZE == 1:
         pytest.skip("a 1-rank world does not call MPI")
