@@ -115,10 +115,16 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
 
         results = [None] * len(values)
         local_sums = [_local_sum(parts[i]) for i in dense]
-        for i, r in zip(dense, fusion.fused_allreduce(local_sums, allreduce, bytes_per_pack)):
-            results[i] = r
-        gathered = self._allgather_indexed_slices([parts[i] for i in sparse], timeout)
-        for i, r in zip(sparse, gathered):
+        # With sparse values, a few kB of dense ones (biases, a small dense
+        # layer) ride along in the sparse values' all_gather: one collective.
+        riding = bool(sparse) and self._can_ride_along(local_sums, bytes_per_pack)
+        if not riding:
+            for i, r in zip(dense, fusion.fused_allreduce(local_sums, allreduce,
+                                                          bytes_per_pack)):
+                results[i] = r
+        gathered = self._allgather_indexed_slices([parts[i] for i in sparse], timeout,
+                                                  local_sums if riding else [])
+        for i, r in zip(sparse + (dense if riding else []), gathered):
             results[i] = r
 
         if reduce_op == ReduceOp.MEAN:
@@ -128,8 +134,22 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
             raise ValueError(f"reduce_op must be SUM or MEAN, got {reduce_op}")
         return results
 
-    def _allgather_indexed_slices(self, values, timeout):
-        """Sums of ``values`` (each a list of this rank's IndexedSlices), all in one MPI call.
+    def _can_ride_along(self, dense, bytes_per_pack):
+        """Whether ``dense`` (this rank's sums) may be summed through an all_gather:
+        exact sums, no buckets, one summable dtype, static shapes, a few kB."""
+        if not dense or self._mpi.size == 1 or bytes_per_pack:
+            return False
+        if type(self._compression) is not compression_lib.Exact:
+            return False
+        if len({t.dtype for t in dense}) != 1 or dense[0].dtype not in _SUMMABLE:
+            return False
+        if not all(t.shape.is_fully_defined() for t in dense):
+            return False
+        return sum(t.shape.num_elements() * t.dtype.size for t in dense) <= _RIDE_ALONG_BYTES
+
+    def _allgather_indexed_slices(self, values, timeout, dense=()):
+        """Sums of ``values`` (each a list of this rank's IndexedSlices), all in one
+        MPI call, followed by the sums of ``dense`` (tensors of one dtype) if any.
 
         Summing IndexedSlices = concatenating them: the rows of repeated
         indices are added when the slices are applied. Every table's values
@@ -140,17 +160,20 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         """
         if not values:
             return []
+        flat_dense = [tf.concat([tf.reshape(t, [-1]) for t in dense], axis=0)] if dense else []
         tables = [(tf.concat([s.values for s in slices], axis=0),
                    tf.concat([tf.cast(s.indices, slices[0].indices.dtype) for s in slices], axis=0))
                   for slices in values]
         if len({v.dtype for v, _ in tables}) != 1 or not all(
                 v.shape[1:].is_fully_defined() for v, _ in tables):
-            return self._allgather_tables(values, tables, timeout)
+            gathered = self._allgather_tables(values, tables, flat_dense, timeout)
+            return gathered[:len(values)] + self._summed(gathered[len(values):], dense)
         widths = [v.shape[1:].num_elements() for v, _ in tables]
-        counts, flat_values, flat_indices = self._mpi.allgather_many([
+        counts, flat_values, flat_indices, *gathered_dense = self._mpi.allgather_many([
             tf.stack([tf.shape(v, out_type=tf.int64)[0] for v, _ in tables]),
             tf.concat([tf.reshape(v, [-1]) for v, _ in tables], axis=0),
-            tf.concat([tf.cast(i, tf.int64) for _, i in tables], axis=0)], timeout)
+            tf.concat([tf.cast(i, tf.int64) for _, i in tables], axis=0)] + flat_dense,
+            timeout)
         k, ranks = len(tables), self._mpi.size
         value_pieces = tf.split(flat_values, counts * tf.tile(tf.constant(widths, tf.int64), [ranks]),
                                 num=k * ranks)
@@ -159,14 +182,29 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
             values=tf.reshape(tf.concat(value_pieces[t::k], axis=0), [-1] + v.shape[1:].as_list()),
             indices=tf.cast(tf.concat(index_pieces[t::k], axis=0), i.dtype),
             dense_shape=slices[0].dense_shape)
-            for t, ((v, i), slices) in enumerate(zip(tables, values))]
+            for t, ((v, i), slices) in enumerate(zip(tables, values))
+        ] + self._summed(gathered_dense, dense)
 
-    def _allgather_tables(self, values, tables, timeout):
-        """``_allgather_indexed_slices`` with every table's tensors crossing on their own."""
-        gathered = self._mpi.allgather_many([t for table in tables for t in table], timeout)
+    def _allgather_tables(self, values, tables, extra, timeout):
+        """``_allgather_indexed_slices`` with every table's tensors crossing on
+        their own; then the gathered ``extra`` tensors."""
+        gathered = self._mpi.allgather_many(
+            [t for table in tables for t in table] + list(extra), timeout)
         return [tf.IndexedSlices(values=gathered[2 * k], indices=gathered[2 * k + 1],
                                  dense_shape=slices[0].dense_shape)
-                for k, slices in enumerate(values)]
+                for k, slices in enumerate(values)] + gathered[2 * len(values):]
+
+    def _summed(self, gathered, dense):
+        """The sums of ``dense`` from their all_gather (every rank's values, one
+        after another), added in rank order: the same bits on every rank."""
+        if not dense:
+            return []
+        rows = tf.reshape(gathered[0], [self._mpi.size, -1])
+        total = rows[0]
+        for r in range(1, self._mpi.size):
+            total = total + rows[r]
+        parts = tf.split(total, [t.shape.num_elements() for t in dense])
+        return [tf.reshape(part, t.shape) for part, t in zip(parts, dense)]
 
     # -- gather --------------------------------------------------------------
     def _gather_implementation(self, per_replica_value, destinations, axis,
@@ -253,6 +291,12 @@ def _reads(handle, variable):
         handle = _tf_internal.captured_value(handle)
     handles = [getattr(v, "handle", None) for v in getattr(variable, "values", ())]
     return handle is not None and any(handle is h for h in handles)
+
+
+# Dense values that ride along with sparse ones (see all_reduce_values): at
+# most this many bytes per rank, of a dtype MPI sums exactly.
+_RIDE_ALONG_BYTES = 64 * 1024
+_SUMMABLE = (tf.float32, tf.float64, tf.int32, tf.int64)
 
 
 def _local_values(value):

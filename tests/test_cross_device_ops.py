@@ -58,8 +58,8 @@ def test_sparse_gradients_of_many_tables_are_one_allgather(strategy):
             return tf.distribute.get_replica_context().all_reduce("SUM", grads + [dense])
         return strategy.experimental_local_results(strategy.run(fn))[0]
 
-    assert _mpi_op_counts(step.get_concrete_function()) == {"MPIAllreduce": 1,
-                                                             "MPIAllgather": 1}
+    # The small dense value rides along in the same all_gather.
+    assert _mpi_op_counts(step.get_concrete_function()) == {"MPIAllgather": 1}
     out = step()
     for k in range(3):
         assert isinstance(out[k], tf.IndexedSlices)

@@ -232,6 +232,31 @@ def test_many_indexed_slices_batch_reduce_like_mirrored(strategy, mirrored, mode
         np.testing.assert_array_equal(g.numpy(), w.numpy())
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_and_a_few_kb_of_dense_values_reduce_in_one_collective(strategy, mirrored,
+                                                                        mode):
+    def reduce_with(s):
+        def fn():
+            r = tf.cast(replica_id(), tf.float32)
+            sparse = tf.IndexedSlices(tf.fill([2, 3], r + 1), tf.constant([1, 4], tf.int64),
+                                      tf.constant([6, 3], tf.int64))
+            return [tf.fill([5], r * 0.1 + 1.0), sparse, tf.fill([2, 2], r + 3.0)]
+        per_replica = s.run(fn)
+        reduced = s.extended.batch_reduce_to("SUM", [(t, "/device:CPU:0") for t in per_replica])
+        return [tf.convert_to_tensor(t) for t in reduced]
+
+    rendezvous = strategy.extended._cross_device_ops.ordered_comm.rendezvous
+    before = rendezvous.seq
+    got = in_mode(lambda: reduce_with(strategy), mode)()
+    collectives = rendezvous.seq - before
+    want = in_mode(lambda: reduce_with(mirrored), mode)()
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6)
+        assert_same_on_all_ranks(g.numpy(), "reduced value")
+    if SIZE > 1:
+        assert collectives == 1
+
+
 def test_keras_embedding_gradient_is_sparse_and_summed(strategy):
     with strategy.scope():
         table = tf.Variable(tf.zeros([8, 2]))
