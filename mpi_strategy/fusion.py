@@ -15,8 +15,12 @@ ready first: inside a ``tf.function`` its MPI op can run while TensorFlow is
 still differentiating the earlier layers (Horovod's and DDP's overlap). Every
 rank builds the same buckets from the same shapes, so every rank issues the
 same collectives in the same order. Summing is element-wise, so how the
-elements are cut into messages does not change any element's sum (see
-``tests/test_fusion.py`` for the bit-identity check at 2 and 3 ranks).
+elements are cut into messages does not change what is summed; the order of
+the additions is the MPI library's: at 2 ranks and with MPICH's algorithms the
+sums are bit-identical to the unbucketed ones, while Open MPI at 3 or more
+ranks picks its algorithm by message size, so a bucketed sum may differ from
+the unbucketed one in the last bit (every rank still gets the same bits;
+``tests/test_fusion.py`` checks both).
 """
 
 import tensorflow as tf

@@ -48,8 +48,9 @@ class MPIStrategy(tf.distribute.Strategy):
         (without it, such a rank waits forever, as MPI does).
         ``bytes_per_pack=B`` sums the gradients in buckets of about B bytes,
         last layers first, so that their MPI calls overlap the rest of the
-        backward pass (worth it where the network is slow; results are
-        bit-identical). ``implementation`` is accepted and ignored (with a
+        backward pass (worth it where the network is slow; the same sums,
+        to the last bit at 2 ranks and with MPICH: see ``fusion.py``).
+        ``implementation`` is accepted and ignored (with a
         warning, once).
       compression: None (default: exact sums), ``"float16"`` or
         ``"bfloat16"``: float tensors of 16 KiB or more in an all-reduce (the

@@ -79,6 +79,17 @@ def _gradients_of_this_rank(rank):
                                                       values((100,), tf.float16)]
 
 
+def _summation_order_may_depend_on_message_size():
+    """At 2 ranks a sum is a + b whatever MPI does. At more ranks, Open MPI picks
+    its allreduce algorithm, hence its order of summation, by message size
+    (measured: a bucket alone and the same tensor in a fused buffer differ in
+    the last bit at 3 ranks); MPICH's algorithms add (x0 + x1) + x2 at these
+    sizes."""
+    from mpi_testing import SIZE
+    from launch import is_open_mpi
+    return SIZE > 2 and is_open_mpi()
+
+
 def test_bucketed_sums_are_bit_identical_to_one_fused_call_on_every_rank():
     from mpi_strategy.cross_device_ops import MPICrossDeviceOps
     from mpi_testing import RANK, SIZE, WORLD, all_ranks_agree, assert_same_on_all_ranks
@@ -100,8 +111,12 @@ def test_bucketed_sums_are_bit_identical_to_one_fused_call_on_every_rank():
             for dtype in (tf.float32, tf.float64))
         assert ops.ordered_comm.rendezvous.seq - seq == (expected_calls if SIZE > 1 else 0)
         for i, (s, r) in enumerate(zip(summed, reference)):
-            assert all_ranks_agree(s.numpy().tobytes() == r.tobytes()), (
-                f"tensor {i} {r.shape} differs with bytes_per_pack={bytes_per_pack}")
+            if _summation_order_may_depend_on_message_size():
+                np.testing.assert_allclose(s.numpy(), r, rtol=1e-5 if r.dtype == np.float16
+                                           else 1e-6)
+            else:
+                assert all_ranks_agree(s.numpy().tobytes() == r.tobytes()), (
+                    f"tensor {i} {r.shape} differs with bytes_per_pack={bytes_per_pack}")
             assert_same_on_all_ranks(s.numpy(), f"tensor {i}")
     if SIZE > 2:  # the check has teeth: the order of summation changes these sums
         x = [_gradients_of_this_rank(r)[0].numpy() for r in range(3)]
