@@ -17,11 +17,12 @@ logs.configure()
 from mpi_strategy.cluster_resolver import MPIClusterResolver  # noqa: E402
 from mpi_strategy.cross_device_ops import MPICrossDeviceOps  # noqa: E402
 from mpi_strategy.errors import (  # noqa: E402
-    CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError)
+    CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError, RanksLostError)
 from mpi_strategy.saving import only_chief_writes  # noqa: E402,F401  (deprecated)
 from mpi_strategy.strategy import MPIStrategy  # noqa: E402
+from mpi_strategy import elastic  # noqa: E402,F401
 
 __version__ = "0.1.0"
 
 __all__ = ["MPIStrategy", "MPICrossDeviceOps", "MPIClusterResolver", "MPIStrategyError",
-           "CollectiveMismatchError", "CollectiveTimeoutError"]
+           "CollectiveMismatchError", "CollectiveTimeoutError", "RanksLostError", "elastic"]

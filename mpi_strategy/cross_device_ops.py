@@ -55,6 +55,11 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         self._mpi = OrderedComm(comm, name_missing_ranks=self._options.timeout_seconds is not None)
 
     @property
+    def policy(self):
+        """The compression policy object (see ``mpi_strategy.compression``)."""
+        return self._compression
+
+    @property
     def compression(self):
         """How large float sums travel: "none", "float16", "bfloat16" or a policy's name."""
         return self._compression.name

@@ -62,3 +62,14 @@ class CollectiveTimeoutError(MPIStrategyError, tf.errors.DeadlineExceededError):
     def __init__(self, message):
         tf.errors.DeadlineExceededError.__init__(self, None, None, message)
         self.args = (message,)
+
+
+class RanksLostError(MPIStrategyError):
+    """A rank of the communicator died (a process failure reported by an MPI with
+    User-Level Failure Mitigation, e.g. Open MPI's ``mpirun --with-ft ulfm``).
+
+    Raised by the collective that noticed it, on every surviving rank (the
+    communicator is revoked so that ranks waiting in another collective learn
+    of it too). ``mpi_strategy.elastic.run`` catches it and continues on the
+    survivors; elsewhere it ends the job, as any uncaught error does.
+    """

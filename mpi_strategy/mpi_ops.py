@@ -31,7 +31,7 @@ from mpi_strategy import _tf_internal
 from mpi_strategy import buffers
 from mpi_strategy import rendezvous as rendezvous_lib
 from mpi_strategy import timeline as timeline_lib
-from mpi_strategy.errors import CollectiveMismatchError, MPIStrategyError
+from mpi_strategy.errors import CollectiveMismatchError, MPIStrategyError, RanksLostError
 
 # Dtypes MPI can sum natively. float16 / bfloat16 are summed in float32 by the
 # caller (MPI has no portable half-precision reduction).
@@ -65,6 +65,7 @@ class OrderedComm:
         self.size = comm.Get_size()
         self.rendezvous = rendezvous_lib.Rendezvous(comm, name_missing_ranks)
         self._number = next(_numbers)  # names this communicator in the timeline
+        self.failed = False  # a rank died (see RanksLostError)
         self._pool = buffers.BufferPool()
         # The token must be a plain (non-distributed) variable: create it
         # outside any tf.function, on the host.
@@ -85,7 +86,12 @@ class OrderedComm:
             fn = self._timed(fn, name, trace)
 
         def with_token(token, *arrays):
-            return [token + 1] + list(fn(int(token), *arrays))
+            try:
+                return [token + 1] + list(fn(int(token), *arrays))
+            except MPI.Exception as error:
+                if error.Get_error_class() not in _FAILURE_CLASSES:
+                    raise
+                raise self._ranks_lost(error) from error
 
         with tf.device("/device:CPU:0"):
             token = self._token.read_value()
@@ -94,6 +100,20 @@ class OrderedComm:
                 stateful=True, name=name)
             self._token.assign(outputs[0])
         return outputs[1:]
+
+    def _ranks_lost(self, error):
+        """Marks this communicator as failed, revokes it (ranks in another
+        collective of it raise too) and returns the error to raise."""
+        self.failed = True
+        try:
+            self.comm.Revoke()
+        except MPI.Exception:
+            pass  # already revoked by another rank
+        return RanksLostError(
+            f"mpi_strategy: a rank of this {self.size}-rank communicator died "
+            f"({error.Get_error_string()}); the survivors' collectives were revoked. "
+            "mpi_strategy.elastic.run continues training on the survivors; without it "
+            "the job ends (resume from the last checkpoint).")
 
     def _timed(self, fn, name, trace):
         """``fn``, recording each call in the timeline ``trace``."""
@@ -290,6 +310,11 @@ _CONSTANT_HASH_MASK = (1 << 24) - 1
 
 
 _numbers = itertools.count()
+
+# MPI error classes of a process failure. Only an MPI with User-Level Failure
+# Mitigation reports them; elsewhere (MPICH 5) the three are one placeholder.
+_ULFM = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
+_FAILURE_CLASSES = frozenset(_ULFM) if len(set(_ULFM)) == 3 else frozenset()
 
 # Up to this many bytes, TensorFlow concatenates many tensors into one before
 # they cross into Python (see allreduce_sum_packed).

@@ -133,6 +133,21 @@ class MPIExtended(_tf_internal.MirroredExtended):
             if communication_options.timeout_seconds else "none",
             self._cross_device_ops.compression)
 
+    def _continue_on(self, comm):
+        """Makes this strategy span ``comm`` (the survivors after ranks died, see
+        ``elastic.py``) instead of its communicator: its variables, devices and
+        options stay; its rank, world size, replica ids and collectives change.
+        Collective over ``comm``. Functions traced before must be traced again."""
+        self._comm = comm
+        self._rank = comm.Get_rank()
+        self._num_ranks = comm.Get_size()
+        self._cross_device_ops = MPICrossDeviceOps(
+            comm, self._communication_options, self._cross_device_ops.policy)
+        write_point.register(self._cross_device_ops.ordered_comm, survivors=True)
+        self._cluster_resolver = MPIClusterResolver(
+            comm, {_device_type(self._devices[0]): len(self._devices)})
+        self._task_id = self._rank
+
     def _initialize_strategy(self, devices):
         # MirroredExtended would also build TF collective ops for the local
         # devices; every collective here is MPI, so only the devices are set up.

@@ -64,12 +64,13 @@ def alone():
     return getattr(_local, "alone", False)
 
 
-def register(ordered_comm):
+def register(ordered_comm, survivors=False):
     """Makes ``ordered_comm`` (of a new strategy) the one that write points made
     outside any strategy's scope meet on, and that the program's end is agreed
     on, if it spans all of ``COMM_WORLD`` (a strategy on a sub-communicator
-    cannot speak for the ranks outside it)."""
-    if ordered_comm.size > 1 and _spans_the_world(ordered_comm.comm):
+    cannot speak for the ranks outside it) or all its living ranks
+    (``survivors``: after ranks died, see ``elastic.py``)."""
+    if survivors or (ordered_comm.size > 1 and _spans_the_world(ordered_comm.comm)):
         _current["comm"] = ordered_comm
         _register_finalize_once()
 
@@ -325,8 +326,8 @@ def _agree_on_the_end():
     ``if rank == 0``) finishes its save, and a rank still waiting in a
     collective that the others left gets an error instead of a hang."""
     ordered = _current["comm"]
-    if (ordered is None or not ordered.rendezvous.usable or MPI.Is_finalized()
-            or job_is_aborting()):
+    if (ordered is None or not ordered.rendezvous.usable or ordered.failed
+            or MPI.Is_finalized() or job_is_aborting()):
         return
     try:
         ordered.rendezvous.agree(rendezvous_lib.FINALIZE, np.uint8, [])

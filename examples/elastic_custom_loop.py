@@ -1,0 +1,93 @@
+"""Elastic training with a custom loop: a lost rank does not end the job.
+
+    mpirun --with-ft ulfm -n 3 python examples/elastic_custom_loop.py
+
+(Open MPI 5 with User-Level Failure Mitigation; kill any rank with SIGKILL
+while it trains.) The survivors continue from the last in-memory commit with
+the same global batch per step; rank 0 of the survivors prints, as its last
+line, one JSON object: ranks at start and at end, steps done, final loss.
+``--kill R@K`` (repeatable) makes rank R of the launch kill itself with
+SIGKILL when it reaches step K, to try it.
+"""
+
+import argparse
+import json
+import os
+import signal
+
+import numpy as np
+import tensorflow as tf
+from mpi4py import MPI
+
+import mpi_strategy
+
+
+def global_batch(step, size, features=20, seed=0):
+    """The global batch of ``step``: the same whatever the number of ranks."""
+    rng = np.random.default_rng([seed, step])
+    x = rng.standard_normal((size, features)).astype(np.float32)
+    y = (x[:, :5].sum(axis=1) > 0).astype(np.int64)
+    return x, y
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--global-batch", type=int, default=96)
+    parser.add_argument("--commit-every", type=int, default=10)
+    parser.add_argument("--kill", action="append", default=[], metavar="RANK@STEP",
+                        help="rank RANK of the launch kills itself at step STEP")
+    args = parser.parse_args()
+    my_kill_steps = {int(step) for rank, step in (k.split("@") for k in args.kill)
+                     if int(rank) == MPI.COMM_WORLD.Get_rank()}
+
+    strategy = mpi_strategy.MPIStrategy()
+    ranks_at_start = strategy.extended.comm.Get_size()
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((20,)),
+                                     tf.keras.layers.Dense(32, activation="relu"),
+                                     tf.keras.layers.Dense(2)])
+        model.set_weights([np.cos(np.arange(w.size)).reshape(w.shape).astype(np.float32) * 0.1
+                           for w in model.get_weights()])
+        optimizer = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    state = mpi_strategy.elastic.State(model, optimizer, step=0, loss=float("nan"))
+
+    @mpi_strategy.elastic.run(strategy, state)
+    def train(state):
+        rank = strategy.extended.rank
+        replicas = strategy.num_replicas_in_sync
+        per_replica = args.global_batch // replicas
+
+        @tf.function
+        def step_fn(x, y):
+            def replica_step(x, y):
+                with tf.GradientTape() as tape:
+                    loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)),
+                                                      global_batch_size=args.global_batch)
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+            return strategy.reduce("SUM", strategy.run(replica_step, (x, y)), axis=None)
+
+        while state.step < args.steps:
+            if state.step in my_kill_steps:
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = global_batch(state.step, args.global_batch)
+            mine = slice(rank * per_replica, (rank + 1) * per_replica)
+            state.loss = float(step_fn(tf.constant(x[mine]), tf.constant(y[mine])))
+            state.step += 1
+            if state.step % args.commit_every == 0:
+                state.commit()
+
+    train()
+    if strategy.extended.rank == 0:
+        print(json.dumps({"ranks_at_start": ranks_at_start,
+                          "ranks_at_end": strategy.extended.comm.Get_size(),
+                          "steps": state.step, "final_loss": state.loss,
+                          "weights_sum": float(sum(np.sum(w) for w in model.get_weights()))}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
