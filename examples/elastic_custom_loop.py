@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import signal
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -72,20 +73,25 @@ def main():
 
         while state.step < args.steps:
             if state.step in my_kill_steps:
+                print(json.dumps({"killed_at": time.time()}), flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             x, y = global_batch(state.step, args.global_batch)
             mine = slice(rank * per_replica, (rank + 1) * per_replica)
             state.loss = float(step_fn(tf.constant(x[mine]), tf.constant(y[mine])))
+            if recoveries and "first_step_done_at" not in recoveries[-1]:
+                recoveries[-1]["first_step_done_at"] = time.time()  # traced again, stepped
             state.step += 1
             if state.step % args.commit_every == 0:
                 state.commit()
 
+    recoveries = mpi_strategy.elastic.recoveries
     train()
     if strategy.extended.rank == 0:
         print(json.dumps({"ranks_at_start": ranks_at_start,
                           "ranks_at_end": strategy.extended.comm.Get_size(),
                           "steps": state.step, "final_loss": state.loss,
-                          "weights_sum": float(sum(np.sum(w) for w in model.get_weights()))}),
+                          "weights_sum": float(sum(np.sum(w) for w in model.get_weights())),
+                          "recoveries": recoveries}),
               flush=True)
 
 

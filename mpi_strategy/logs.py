@@ -18,11 +18,18 @@ def configure():
     """Installs the rank-tagged handler once per process (at import)."""
     if any(getattr(h, "_mpi_strategy", False) for h in logger.handlers):
         return
-    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     handler = logging.StreamHandler(sys.stderr)
     handler._mpi_strategy = True  # pylint: disable=protected-access
-    handler.setFormatter(logging.Formatter(
-        f"[mpi_strategy rank {rank}/{size}] %(levelname)s: %(message)s"))
     logger.addHandler(handler)
     logger.propagate = False  # one line per message, not one more via the root logger
+    set_rank(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
+
+
+def set_rank(rank, size):
+    """Tags lines with ``rank``/``size`` and lets only rank 0 say more than errors
+    (called again when ranks were lost and the survivors renumbered)."""
+    for handler in logger.handlers:
+        if getattr(handler, "_mpi_strategy", False):
+            handler.setFormatter(logging.Formatter(
+                f"[mpi_strategy rank {rank}/{size}] %(levelname)s: %(message)s"))
     logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)

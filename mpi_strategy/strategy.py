@@ -12,7 +12,7 @@ through ``MPICrossDeviceOps``.
 import tensorflow as tf
 from mpi4py import MPI
 
-from mpi_strategy import _keras_internal, _tf_internal, saving, write_point
+from mpi_strategy import _keras_internal, _tf_internal, logs, saving, write_point
 from mpi_strategy import compression as compression_lib
 from mpi_strategy.cluster_resolver import MPIClusterResolver
 from mpi_strategy.cross_device_ops import MPICrossDeviceOps
@@ -147,6 +147,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         self._cluster_resolver = MPIClusterResolver(
             comm, {_device_type(self._devices[0]): len(self._devices)})
         self._task_id = self._rank
+        logs.set_rank(self._rank, self._num_ranks)  # rank 0 of the survivors speaks
 
     def _initialize_strategy(self, devices):
         # MirroredExtended would also build TF collective ops for the local

@@ -318,14 +318,15 @@ _finalize_registered = [False]
 def _register_finalize_once():
     if not _finalize_registered[0]:
         _finalize_registered[0] = True
-        atexit.register(_agree_on_the_end)
+        atexit.register(agree_on_the_end)
 
 
-def _agree_on_the_end():
+def agree_on_the_end():
     """Ranks meet once more before MPI ends: a rank saving alone (under
     ``if rank == 0``) finishes its save, and a rank still waiting in a
-    collective that the others left gets an error instead of a hang."""
+    collective that the others left gets an error instead of a hang. Once."""
     ordered = _current["comm"]
+    _current["comm"] = None
     if (ordered is None or not ordered.rendezvous.usable or ordered.failed
             or MPI.Is_finalized() or job_is_aborting()):
         return

@@ -36,10 +36,14 @@ def mpiexec_env():
 
 def run_mpiexec(n, argv, timeout=DEFAULT_TIMEOUT, env=None, cwd=None):
     """Runs ``argv`` on ``n`` ranks; returns (returncode, combined output)."""
+    return run_launcher(mpiexec_command(n) + list(argv), timeout, dict(env or {}, **mpiexec_env()),
+                        cwd)
+
+
+def run_launcher(cmd, timeout=DEFAULT_TIMEOUT, env=None, cwd=None):
+    """Runs the launcher command line ``cmd``; returns (returncode, combined output)."""
     full_env = dict(os.environ)
     full_env.update(env or {})
-    full_env.update(mpiexec_env())
-    cmd = mpiexec_command(n) + list(argv)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=full_env, cwd=cwd, start_new_session=True, text=True)
     try:
