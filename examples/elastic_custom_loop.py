@@ -7,7 +7,8 @@ while it trains.) The survivors continue from the last in-memory commit with
 the same global batch per step; rank 0 of the survivors prints, as its last
 line, one JSON object: ranks at start and at end, steps done, final loss.
 ``--kill R@K`` (repeatable) makes rank R of the launch kill itself with
-SIGKILL when it reaches step K, to try it.
+SIGKILL in the middle of step K (after the update, before the loss is
+reduced: the survivors must roll back to undo it), to try it.
 """
 
 import argparse
@@ -69,15 +70,16 @@ def main():
                 grads = tape.gradient(loss, model.trainable_variables)
                 optimizer.apply_gradients(zip(grads, model.trainable_variables))
                 return loss
-            return strategy.reduce("SUM", strategy.run(replica_step, (x, y)), axis=None)
+            return strategy.run(replica_step, (x, y))
 
         while state.step < args.steps:
-            if state.step in my_kill_steps:
-                print(json.dumps({"killed_at": time.time()}), flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
             x, y = global_batch(state.step, args.global_batch)
             mine = slice(rank * per_replica, (rank + 1) * per_replica)
-            state.loss = float(step_fn(tf.constant(x[mine]), tf.constant(y[mine])))
+            loss = step_fn(tf.constant(x[mine]), tf.constant(y[mine]))
+            if state.step in my_kill_steps:  # mid-step: the weights are updated already
+                print(json.dumps({"killed_at": time.time()}), flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            state.loss = float(strategy.reduce("SUM", loss, axis=None))
             if recoveries and "first_step_done_at" not in recoveries[-1]:
                 recoveries[-1]["first_step_done_at"] = time.time()  # traced again, stepped
             state.step += 1
