@@ -126,6 +126,22 @@ def run(strategy, state, min_ranks=1):
     return decorate
 
 
+class KerasCallback(tf.keras.callbacks.Callback):
+    """For ``model.fit`` inside ``elastic.run``: commits ``state`` at the end of
+    every epoch, with ``state.epoch`` set to the number of epochs done. After a
+    recovery, call ``fit`` again with ``initial_epoch=state.epoch``: it goes on
+    from the last epoch that every survivor finished.
+    """
+
+    def __init__(self, state):
+        super().__init__()
+        self._state = state
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._state.epoch = epoch + 1
+        self._state.commit()
+
+
 def _ranks_were_lost(strategy, error):
     # Inside tf.function the RanksLostError arrives as a tf.errors class; the
     # communicator remembers it.
@@ -148,6 +164,7 @@ def _recover(strategy, state, min_ranks, error):
     number = survivors.allreduce(state.commit_number, op=MPI.MIN)
     times["shrink_s"] = time.monotonic() - started
     strategy.extended._continue_on(survivors)  # pylint: disable=protected-access
+    _forget_keras_functions(state._trackables)  # pylint: disable=protected-access
     times["rebuild_s"] = time.monotonic() - started - times["shrink_s"]
     state.restore(number)
     times["rollback_s"] = time.monotonic() - started - times["shrink_s"] - times["rebuild_s"]
@@ -208,6 +225,15 @@ def _build_optimizers(strategy, trackables):
                 optimizer.build([v for m in models for v in m.trainable_variables])
 
 
+def _forget_keras_functions(trackables):
+    """Keras keeps a model's traced train / test / predict functions; traced
+    for the old world size, they must be traced again."""
+    for model in trackables:
+        for name in ("train_function", "test_function", "predict_function"):
+            if getattr(model, name, None) is not None:
+                setattr(model, name, None)
+
+
 def _variables_of(trackables):
     variables = []
     for t in trackables:
@@ -222,4 +248,4 @@ def _variables_of(trackables):
     return variables
 
 
-__all__ = ["State", "run", "RanksLostError"]
+__all__ = ["State", "run", "KerasCallback", "RanksLostError"]

@@ -85,11 +85,13 @@ def test_run_returns_and_lets_other_errors_through():
     assert calls == [0, 0]  # no retry
 
 
-def _launch(n, kills=(), steps=40):
+def _launch(n, kills=(), example=EXAMPLE, args=("--steps", "40")):
     mpirun = ULFM_MPIRUN
     libmpi = os.path.join(os.path.dirname(os.path.dirname(mpirun)), "lib", "libmpi.so.40")
     cmd = [mpirun, "--oversubscribe", "--with-ft", "ulfm", "-x", f"MPI4PY_LIBMPI={libmpi}",
-           "-x", "TF_CPP_MIN_LOG_LEVEL=3", "-n", str(n), "python", EXAMPLE, "--steps", str(steps)]
+           "-x", "TF_CPP_MIN_LOG_LEVEL=3", "-n", str(n), "python", example, *args]
+    if "PYTHONPATH" in os.environ:  # a checkout found that way, not installed
+        cmd[1:1] = ["-x", "PYTHONPATH"]
     for kill in kills:
         cmd += ["--kill", kill]
     code, out = run_launcher(cmd, timeout=240, env={"OMPI_ALLOW_RUN_AS_ROOT": "1",
@@ -99,11 +101,15 @@ def _launch(n, kills=(), steps=40):
     return json.loads(lines[-1]), out
 
 
-@pytest.fixture(scope="module")
-def uninterrupted():
+def _needs_ulfm():
     if ULFM_MPIRUN is None:
         pytest.skip("needs an MPI with ULFM: set MPI_STRATEGY_TEST_ULFM_MPIRUN to Open MPI "
                     "5's mpirun (.ci/run does)")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    _needs_ulfm()
     result, _ = _launch(3)
     assert (result["ranks_at_start"], result["ranks_at_end"], result["steps"]) == (3, 3, 40)
     return result
@@ -125,3 +131,17 @@ def test_lost_ranks_do_not_end_the_job_and_the_run_continues_exactly(uninterrupt
     assert result["final_loss"] == pytest.approx(uninterrupted["final_loss"], abs=1e-6)
     assert result["weights_sum"] == pytest.approx(uninterrupted["weights_sum"], abs=1e-5)
     assert out.count("continuing on") >= 1, out[-3000:]
+
+
+@pytest.mark.single_process
+def test_keras_fit_goes_on_from_the_last_epoch_every_survivor_finished():
+    # Slow, as above: the one check that Keras' fit recovers from a real SIGKILL.
+    _needs_ulfm()
+    example = os.path.join(REPO, "examples", "elastic_keras_fit.py")
+    want, _ = _launch(3, example=example, args=())
+    got, out = _launch(3, kills=["1@23"], example=example, args=())  # in epoch 3 of 6
+    assert (want["ranks_at_end"], got["ranks_at_end"]) == (3, 2)
+    assert got["epochs"] == want["epochs"] == 6 and len(got["recoveries"]) == 1
+    assert got["recoveries"][0]["commit"] == 3  # the end of epoch 2 (1 is the start)
+    assert got["final_loss"] == pytest.approx(want["final_loss"], abs=1e-6)
+    assert got["weights_sum"] == pytest.approx(want["weights_sum"], abs=1e-5)

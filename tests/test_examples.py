@@ -40,6 +40,7 @@ def run_example(script, args):
     ("keras_fit.py", ["--epochs", "1"], "test loss"),
     # Without ULFM or a failure it is a plain run (the kills: tests/test_elastic.py).
     ("elastic_custom_loop.py", ["--steps", "20"], '"ranks_at_start": 2, "ranks_at_end": 2'),
+    ("elastic_keras_fit.py", ["--epochs", "2"], '"ranks_at_start": 2, "ranks_at_end": 2'),
 ])
 def test_example_runs_on_two_ranks(script, args, expected, tmp_path):
     if script == "keras_fit.py":
