@@ -20,7 +20,7 @@ import sys
 import time
 from importlib import metadata
 
-from benchmarks import cost_model, report, timeline_view
+from benchmarks import cost_model, json_objects, load_average, report, timeline_view
 from tests.launch import mpiexec_command, mpiexec_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -77,18 +77,6 @@ def launch_together(commands, timeout=PROCESS_TIMEOUT):
             errors.append(f"exit {proc.returncode}: {' '.join(argv)}\n{tail}")
     errors.extend(r["error"] for r in rows if r.get("error"))
     return rows, ("\n".join(errors) or None)
-
-
-def json_objects(text):
-    """Every JSON object in ``text``: mpiexec may put two ranks' lines on one line."""
-    decoder, objects, pos = json.JSONDecoder(), [], 0
-    while (start := text.find("{", pos)) >= 0:
-        try:
-            obj, pos = decoder.raw_decode(text, start)
-            objects.append(obj)
-        except json.JSONDecodeError:
-            pos = start + 1
-    return objects
 
 
 def _python(*args):
@@ -174,11 +162,6 @@ def machine_info():
             pass
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_GiB": round(mem_gib, 1),
             "python": sys.version.split()[0], "versions": versions}
-
-
-def load_average():
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
 
 
 def main():

@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks import json_objects, load_average
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
@@ -148,16 +150,16 @@ def run(quick=False, rate_mbit=RATE_MBIT, model=MODEL, batch=BATCH_PER_RANK,
 
 
 def _launch(argv, env, timeout=LAUNCH_TIMEOUT):
-    load_before = _load_average()
+    load_before = load_average()
     proc = subprocess.run(argv, cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env},
                           capture_output=True, text=True, timeout=timeout)
-    rows = [r for r in _json_objects(proc.stdout) if "ms" in r]
+    rows = [r for r in json_objects(proc.stdout) if "ms" in r]
     if proc.returncode != 0 or len(rows) != 2:
         return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}", "load": load_before}
     # A step is as slow as its slowest rank.
     ms = {k: max(r["ms"][k] for r in rows) for k in rows[0]["ms"]}
     return {"ms": ms, **verdict(ms), "per_rank": rows, "load_before": load_before,
-            "load_after": _load_average()}
+            "load_after": load_average()}
 
 
 def verdict(ms):
@@ -197,22 +199,6 @@ def markdown(part):
             f"| {'met' if s['target_met'] else 'not met'} "
             f"| {s['load_before']} -> {s['load_after']} |")
     return lines + [""]
-
-
-def _load_average():
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
-
-
-def _json_objects(text):
-    decoder, objects, pos = json.JSONDecoder(), [], 0
-    while (start := text.find("{", pos)) >= 0:
-        try:
-            obj, pos = decoder.raw_decode(text, start)
-            objects.append(obj)
-        except json.JSONDecodeError:
-            pos = start + 1
-    return objects
 
 
 def main():
