@@ -3,6 +3,7 @@
     python -m benchmarks            # full run (<= 15 min on 2 cores): results, plots, docs
     python -m benchmarks --quick    # smoke run (a couple of minutes) into benchmarks/results/quick/
     python -m benchmarks --links    # only the emulated slow link (root: netns + tc): links.json/.md
+    python -m benchmarks --elastic  # only elastic mode's cost (Open MPI 5, ULFM): elastic.json/.md
 
 Full run: benchmarks/results/latest.json and latest.md, docs/img/*.png, and the
 generated block of docs/benchmarks.md. Each figure of docs/benchmarks.md comes
@@ -11,6 +12,7 @@ compared pair is measured in the same run.
 """
 
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -176,10 +178,14 @@ def main():
     parser.add_argument("--links", action="store_true",
                         help="only the overlap benchmark on an emulated slow link (needs root "
                         "for network namespaces; skipped with a message otherwise)")
+    parser.add_argument("--elastic", action="store_true",
+                        help="only elastic mode's step time against elastic mode off (needs "
+                        "Open MPI 5 with ULFM; skipped with a message otherwise)")
     args = parser.parse_args()
     out_dir = args.out_dir or os.path.join(HERE, "results", "quick" if args.quick else "")
-    if args.links:
-        return run_links(args.quick, out_dir)
+    for name in ("links", "elastic"):
+        if getattr(args, name):
+            return run_part(name, args.quick, out_dir)
     write_docs = not (args.quick or args.no_docs)
     started = time.monotonic()
     result = {"time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": args.quick,
@@ -234,26 +240,27 @@ def main():
     progress(f"done: {json_path}")
 
 
-def run_links(quick, out_dir):
-    """The ``--links`` part alone: benchmarks/links.py, into links.json and links.md."""
-    from benchmarks import links
+def run_part(name, quick, out_dir):
+    """One part alone (``--links``, ``--elastic``): benchmarks/<name>.py, into
+    <name>.json and <name>.md."""
+    part = importlib.import_module(f"benchmarks.{name}")
     started = time.monotonic()
     result = {"time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": quick,
-              "command": "python -m benchmarks --links" + (" --quick" * quick),
+              "command": f"python -m benchmarks --{name}" + (" --quick" * quick),
               "machine": machine_info(), "load_before": load_average()}
-    result["links"] = links.run(quick, progress=lambda what: print(
+    result[name] = part.run(quick, progress=lambda what: print(
         f"[{time.monotonic() - started:6.0f} s] {what}", file=sys.stderr, flush=True))
     result["load_after"] = load_average()
     result["duration_s"] = time.monotonic() - started
-    if "skipped" in result["links"]:
-        print(result["links"]["skipped"], file=sys.stderr)
+    if "skipped" in result[name]:
+        print(result[name]["skipped"], file=sys.stderr)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "links.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=2)
-    text = "\n".join(links.markdown(result["links"])
+    text = "\n".join(part.markdown(result[name])
                      + [f"Load average before / after: {result['load_before']} / "
                         f"{result['load_after']} (2 cores, shared machine).", ""])
-    with open(os.path.join(out_dir, "links.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(text)
     print(text)
 

@@ -5,12 +5,15 @@
     TF_CONFIG=... python -m benchmarks.train_step mlp mwms  # one MultiWorkerMirroredStrategy worker
     python -m benchmarks.train_step mlp none --batch 128    # one half of the ceiling pair
     python -m benchmarks.train_step lenet3,cnn,higgs none --batch 32   # several, one after another
+    mpirun --with-ft ulfm -n 2 python -m benchmarks.train_step mlp mpi --elastic-commit-every 10
 
 Every process prints one JSON line per model: the median step time of the
 timed steps, its peak RSS (VmHWM) and, for models with sparse gradients, the
 gradient types before and after the strategy's all-reduce. The step is the
 same custom loop for every strategy (tf.keras layers and optimizer, no
 ``fit``: Keras 3's ``fit`` is broken under MultiWorkerMirroredStrategy).
+With ``--elastic-commit-every N`` the timed loop runs inside
+``mpi_strategy.elastic.run`` and commits every N steps (0: never in the loop).
 A failure is printed as a JSON line with an ``error`` field, so the driver
 can record it instead of dropping the row.
 """
@@ -60,7 +63,7 @@ def make_strategy(mode):
     return tf.distribute.get_strategy(), 0, 1  # the default (no) strategy
 
 
-def run_model(name, strategy, global_batch, steps, warmup):
+def run_model(name, strategy, global_batch, steps, warmup, commit_every=None):
     replicas = strategy.num_replicas_in_sync
     if global_batch % replicas:
         raise ValueError(f"global batch {global_batch} is not divisible by {replicas} replicas")
@@ -99,17 +102,33 @@ def run_model(name, strategy, global_batch, steps, warmup):
 
     tf.function(lambda: strategy.run(reduce_only))()
 
-    times = []
-    for _ in range(warmup + steps):
-        start = time.perf_counter()
-        step()
-        model.trainable_variables[0].numpy()  # wait for the step to finish
-        times.append(time.perf_counter() - start)
+    def timed_steps(state=None):
+        times = []
+        for _ in range(warmup + steps):
+            start = time.perf_counter()
+            step()
+            model.trainable_variables[0].numpy()  # wait for the step to finish
+            if state is not None:  # a commit counts in its step's time
+                state.step += 1
+                if commit_every and state.step % commit_every == 0:
+                    state.commit()
+            times.append(time.perf_counter() - start)
+        return times
+
+    if commit_every is None:
+        times = timed_steps()
+    else:  # no rank is lost here: the loop is not written to resume
+        from mpi_strategy import elastic
+        state = elastic.State(model, optimizer, step=0)
+        times = elastic.run(strategy, state)(timed_steps)()
     timed = np.array(times[warmup:])
     return {"replicas": replicas, "global_batch": global_batch,
             "params": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
             "ms_per_step": float(np.median(timed)) * 1e3,
+            "ms_per_step_mean": float(np.mean(timed)) * 1e3,
             "ms_per_step_p10_p90": [float(np.percentile(timed, q)) * 1e3 for q in (10, 90)],
+            "state_bytes": int(sum(v.numpy().nbytes
+                                   for v in model.variables + optimizer.variables)),
             "grad_types_before_reduce": seen["before"],
             "grad_types_after_reduce": seen["after"]}
 
@@ -121,7 +140,12 @@ def main():
     parser.add_argument("--batch", type=int, default=256, help="global batch")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--elastic-commit-every", type=int, metavar="N",
+                        help="mpi mode: time the loop inside elastic.run, committing every "
+                        "N steps (0: no commits in the loop)")
     args = parser.parse_args()
+    if args.elastic_commit_every is not None and args.mode != "mpi":
+        parser.error("--elastic-commit-every needs mode mpi")
 
     rank, processes = 0, 1
     try:
@@ -132,7 +156,8 @@ def main():
     for name in args.models.split(","):
         row = {"model": name, "mode": args.mode, "rank": rank, "processes": processes}
         try:
-            row.update(run_model(name, strategy, args.batch, args.steps, args.warmup))
+            row.update(run_model(name, strategy, args.batch, args.steps, args.warmup,
+                                 args.elastic_commit_every))
         except Exception as e:
             if args.mode == "mpi":
                 raise  # the strategy's hook aborts the whole job; the driver records it

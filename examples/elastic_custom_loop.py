@@ -6,9 +6,13 @@
 while it trains.) The survivors continue from the last in-memory commit with
 the same global batch per step; rank 0 of the survivors prints, as its last
 line, one JSON object: ranks at start and at end, steps done, final loss.
-``--kill R@K`` (repeatable) makes rank R of the launch kill itself with
-SIGKILL in the middle of step K (after the update, before the loss is
-reduced: the survivors must roll back to undo it), to try it.
+By default every step takes the next ``--global-batch`` examples, whatever the
+number of ranks; with ``--per-replica-batch N`` it takes N per replica (fewer
+examples per step once ranks are lost). ``--kill R@K`` (repeatable) makes rank
+R of the launch kill itself with SIGKILL in the middle of step K (after the
+update, before the loss is reduced: the survivors must roll back to undo it),
+to try it. With fewer than ``--min-ranks`` survivors the job ends with the last
+commit saved in ``--state-dir``; launched again, it resumes from there.
 """
 
 import argparse
@@ -24,10 +28,12 @@ from mpi4py import MPI
 import mpi_strategy
 
 
-def global_batch(step, size, features=20, seed=0):
-    """The global batch of ``step``: the same whatever the number of ranks."""
-    rng = np.random.default_rng([seed, step])
-    x = rng.standard_normal((size, features)).astype(np.float32)
+def examples(start, count, features=20, seed=0):
+    """Examples ``start`` to ``start + count`` of an endless, fixed stream: the
+    data order does not depend on the number of ranks or the batch size."""
+    chunks = range(start // 256, (start + count - 1) // 256 + 1)
+    x = np.concatenate([np.random.default_rng([seed, c]).standard_normal((256, features))
+                        for c in chunks]).astype(np.float32)[start % 256:][:count]
     y = (x[:, :5].sum(axis=1) > 0).astype(np.int64)
     return x, y
 
@@ -36,6 +42,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--global-batch", type=int, default=96)
+    parser.add_argument("--per-replica-batch", type=int, default=None,
+                        help="keep this many examples per replica instead of the global batch")
+    parser.add_argument("--min-ranks", type=int, default=1)
+    parser.add_argument("--state-dir", default="elastic_state")
     parser.add_argument("--commit-every", type=int, default=10)
     parser.add_argument("--kill", action="append", default=[], metavar="RANK@STEP",
                         help="rank RANK of the launch kills itself at step STEP")
@@ -53,27 +63,30 @@ def main():
                            for w in model.get_weights()])
         optimizer = tf.keras.optimizers.SGD(0.05, momentum=0.9)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-    state = mpi_strategy.elastic.State(model, optimizer, step=0, loss=float("nan"))
+    state = mpi_strategy.elastic.State(model, optimizer, step=0, examples=0,
+                                       loss=float("nan"))
 
-    @mpi_strategy.elastic.run(strategy, state)
+    @mpi_strategy.elastic.run(strategy, state, min_ranks=args.min_ranks,
+                              directory=args.state_dir)
     def train(state):
         rank = strategy.extended.rank
         replicas = strategy.num_replicas_in_sync
-        per_replica = args.global_batch // replicas
+        per_replica = args.per_replica_batch or args.global_batch // replicas
+        batch = per_replica * replicas
 
         @tf.function
         def step_fn(x, y):
             def replica_step(x, y):
                 with tf.GradientTape() as tape:
                     loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)),
-                                                      global_batch_size=args.global_batch)
+                                                      global_batch_size=batch)
                 grads = tape.gradient(loss, model.trainable_variables)
                 optimizer.apply_gradients(zip(grads, model.trainable_variables))
                 return loss
             return strategy.run(replica_step, (x, y))
 
         while state.step < args.steps:
-            x, y = global_batch(state.step, args.global_batch)
+            x, y = examples(state.examples, batch)
             mine = slice(rank * per_replica, (rank + 1) * per_replica)
             loss = step_fn(tf.constant(x[mine]), tf.constant(y[mine]))
             if state.step in my_kill_steps:  # mid-step: the weights are updated already
@@ -83,15 +96,20 @@ def main():
             if recoveries and "first_step_done_at" not in recoveries[-1]:
                 recoveries[-1]["first_step_done_at"] = time.time()  # traced again, stepped
             state.step += 1
+            state.examples += batch
             if state.step % args.commit_every == 0:
                 state.commit()
+                if rank == 0:
+                    print(f"step {state.step}: loss {state.loss:.4f} on {replicas} ranks",
+                          flush=True)
 
     recoveries = mpi_strategy.elastic.recoveries
     train()
     if strategy.extended.rank == 0:
         print(json.dumps({"ranks_at_start": ranks_at_start,
                           "ranks_at_end": strategy.extended.comm.Get_size(),
-                          "steps": state.step, "final_loss": state.loss,
+                          "steps": state.step, "examples": state.examples,
+                          "final_loss": state.loss,
                           "weights_sum": float(sum(np.sum(w) for w in model.get_weights())),
                           "recoveries": recoveries}),
               flush=True)

@@ -69,7 +69,7 @@ def main():
     @mpi_strategy.elastic.run(strategy, state)
     def train(state):
         return model.fit(x, y, batch_size=args.global_batch, epochs=args.epochs,
-                         initial_epoch=state.epoch, shuffle=False, verbose=0,
+                         initial_epoch=state.epoch, shuffle=False, verbose=2,
                          callbacks=[mpi_strategy.elastic.KerasCallback(state),
                                     KillAt(my_kills, steps_per_epoch)]).history
 

@@ -17,7 +17,8 @@ logs.configure()
 from mpi_strategy.cluster_resolver import MPIClusterResolver  # noqa: E402
 from mpi_strategy.cross_device_ops import MPICrossDeviceOps  # noqa: E402
 from mpi_strategy.errors import (  # noqa: E402
-    CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError, RanksLostError)
+    CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError, RanksLostError,
+    TooFewRanksError)
 from mpi_strategy.saving import only_chief_writes  # noqa: E402,F401  (deprecated)
 from mpi_strategy.strategy import MPIStrategy  # noqa: E402
 from mpi_strategy import elastic  # noqa: E402,F401
@@ -25,4 +26,5 @@ from mpi_strategy import elastic  # noqa: E402,F401
 __version__ = "0.1.0"
 
 __all__ = ["MPIStrategy", "MPICrossDeviceOps", "MPIClusterResolver", "MPIStrategyError",
-           "CollectiveMismatchError", "CollectiveTimeoutError", "RanksLostError", "elastic"]
+           "CollectiveMismatchError", "CollectiveTimeoutError", "RanksLostError", "TooFewRanksError",
+           "elastic"]

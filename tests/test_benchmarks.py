@@ -158,3 +158,25 @@ def test_timeline_summary_splits_each_step(tmp_path):
         assert r["outside_ms"] == pytest.approx(1.0 - 0.21 - 0.105)
     png = timeline_view.plot(events, str(tmp_path / "t.png"), "synthetic")
     assert os.path.getsize(png) > 1000
+
+
+@pytest.mark.single_process
+def test_elastic_part_launches_elastic_mode_under_ulfm_and_reports_the_ratio():
+    # One short launch (about 15 s): the full comparison is `python -m benchmarks --elastic`.
+    from benchmarks import elastic
+
+    mpirun, reason = elastic.find_mpirun()
+    if reason:
+        pytest.skip(reason)
+    row = elastic.launch(mpirun, "on", steps=2, warmup=1)
+    assert "error" not in row, row
+    # The MLP's variables and SGD's scalars (iterations, learning rate).
+    assert 4 * 1_863_690 < row["mlp"]["state_bytes"] <= 4 * 1_863_690 + 64
+    off = dict(row, variant="off", round=0)
+    part = {"ranks": 2, "mpirun": mpirun, "global_batch": 256, "steps": 2, "warmup": 1,
+            "rounds": 1, "commit_every": 10, "target": elastic.TARGET,
+            "launches": [off, dict(row, round=0), dict(row, variant="on, no commits", round=0)]}
+    part["models"] = {m: elastic.summary(part["launches"], m) for m in elastic.MODELS}
+    assert part["models"]["mlp"]["on"]["ratio"]["ms_per_step"]["of_medians"] == 1.0
+    text = "\n".join(elastic.markdown(part))
+    assert "| mlp (7.45 MB) | on | " in text and "target <= 1.03: met" in text

