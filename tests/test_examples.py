@@ -48,6 +48,9 @@ def test_example_runs_on_two_ranks(script, args, expected, tmp_path):
     out = run_example(script, args)
     results = [line for line in out.splitlines() if expected in line]
     assert len(results) == 1, out[-5000:]  # printed by rank 0 only
+    if script.startswith("elastic_"):  # no ULFM here: the log says how to get it
+        assert out.count("For elastic training, launch with Open MPI 5's `mpirun --with-ft "
+                         "ulfm`") == 1, out[-5000:]
 
 
 EPOCH_LINE = re.compile(r"^epoch 1/1: loss \d+\.\d{4}  accuracy [01]\.\d{4}  "
