@@ -11,11 +11,12 @@ number of ranks; with ``--per-replica-batch N`` it takes N per replica (fewer
 examples per step once ranks are lost). ``--kill R@K`` (repeatable) makes rank
 R of the launch kill itself with SIGKILL in the middle of step K (after the
 update, before the loss is reduced: the survivors must roll back to undo it;
-K = --steps: after the last step), to try it. With fewer than ``--min-ranks`` survivors the job ends with the last
+K = --steps: as the program exits), to try it. With fewer than ``--min-ranks`` survivors the job ends with the last
 commit saved in ``--state-dir``; launched again, it resumes from there.
 """
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -53,6 +54,8 @@ def main():
     my_kill_steps = {int(step) for rank, step in (k.split("@") for k in args.kill)
                      if int(rank) == MPI.COMM_WORLD.Get_rank()}
 
+    if args.steps in my_kill_steps:  # as the program exits: the others are finishing
+        atexit.register(lambda: (time.sleep(1), os.kill(os.getpid(), signal.SIGKILL)))
     strategy = mpi_strategy.MPIStrategy()
     ranks_at_start = strategy.extended.comm.Get_size()
     with strategy.scope():
@@ -105,8 +108,6 @@ def main():
 
     recoveries = mpi_strategy.elastic.recoveries
     train()
-    if args.steps in my_kill_steps:  # after the last collective
-        os.kill(os.getpid(), signal.SIGKILL)
     if strategy.extended.rank == 0:
         print(json.dumps({"ranks_at_start": ranks_at_start,
                           "ranks_at_end": strategy.extended.comm.Get_size(),
