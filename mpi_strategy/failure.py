@@ -52,7 +52,7 @@ def abort_job_on_uncaught_exception(comm):
             summary = lines[0] + (" ..." if len(lines) > 1 else "") if lines else exc_type.__name__
             sys.stderr.write(
                 f"mpi_strategy: uncaught exception on rank {rank} of {size} ({summary}); "
-                "aborting the MPI job so that no rank waits for it.\n"
+                f"{_what_happens_now(exc)} so that no rank waits for it.\n"
                 + "".join(traceback.format_exception(exc_type, exc, tb)))
             sys.stderr.flush()
             sys.stdout.flush()
@@ -72,14 +72,37 @@ def ulfm_launch():
             and os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "enabled"))
 
 
+# MPI error classes of a process failure. Only an MPI with User-Level Failure
+# Mitigation reports them; elsewhere (MPICH 5) the three are one placeholder.
+_ULFM = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
+_FAILURE_CLASSES = frozenset(_ULFM) if len(set(_ULFM)) == 3 else frozenset()
+
+
+def is_process_failure(error):
+    """True for an ``MPI.Exception`` saying that a rank died (ULFM)."""
+    return isinstance(error, MPI.Exception) and error.Get_error_class() in _FAILURE_CLASSES
+
+
+def _what_happens_now(exc):
+    if not ulfm_launch():
+        return "aborting the MPI job"
+    if _every_living_rank_raises(exc):
+        return "this rank ends with status 1, as every living rank does,"
+    return "this rank kills itself (SIGKILL: the others learn of it)"
+
+
+def _every_living_rank_raises(exc):
+    return isinstance(exc, (RanksLostError, TooFewRanksError)) or is_process_failure(exc)
+
+
 def _leave_under_ulfm(exc):
-    """An error that every living rank raises (ranks were lost) ends each of them
-    with exit status 1, which the launcher reports. A rank's own error kills it
+    """An error that every living rank raises (ranks were lost, also in a call
+    of the program's own or before training) ends each of them with exit status 1, which the launcher reports. A rank's own error kills it
     with SIGKILL: the others learn of it in their next collective (ULFM reports
     a death by signal, not a non-zero exit status), and go on without it inside
     ``elastic.run`` or end with status 1 outside. If every rank dies of its own
     error at once, Open MPI's launcher exits with status 0 (it tolerates deaths
     by signal under ULFM): the tracebacks say what happened."""
-    if isinstance(exc, (RanksLostError, TooFewRanksError)):
+    if _every_living_rank_raises(exc):
         os._exit(1)
     os.kill(os.getpid(), signal.SIGKILL)

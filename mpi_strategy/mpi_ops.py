@@ -32,6 +32,7 @@ from mpi_strategy import buffers
 from mpi_strategy import rendezvous as rendezvous_lib
 from mpi_strategy import timeline as timeline_lib
 from mpi_strategy.errors import CollectiveMismatchError, MPIStrategyError, RanksLostError
+from mpi_strategy.failure import is_process_failure
 
 # Dtypes MPI can sum natively. float16 / bfloat16 are summed in float32 by the
 # caller (MPI has no portable half-precision reduction).
@@ -89,7 +90,7 @@ class OrderedComm:
             try:
                 return [token + 1] + list(fn(int(token), *arrays))
             except MPI.Exception as error:
-                if error.Get_error_class() not in _FAILURE_CLASSES:
+                if not is_process_failure(error):
                     raise
                 raise self._ranks_lost(error) from error
 
@@ -311,10 +312,6 @@ _CONSTANT_HASH_MASK = (1 << 24) - 1
 
 _numbers = itertools.count()
 
-# MPI error classes of a process failure. Only an MPI with User-Level Failure
-# Mitigation reports them; elsewhere (MPICH 5) the three are one placeholder.
-_ULFM = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
-_FAILURE_CLASSES = frozenset(_ULFM) if len(set(_ULFM)) == 3 else frozenset()
 
 # Up to this many bytes, TensorFlow concatenates many tensors into one before
 # they cross into Python (see allreduce_sum_packed).

@@ -282,6 +282,14 @@ def test_keras_fit_with_a_rank_killed_from_outside_at_a_random_moment(keras_unin
 
 
 @pytest.mark.single_process
+def test_a_rank_lost_before_the_strategy_exists_ends_the_job_with_status_1():
+    _needs_ulfm()
+    program = os.path.join(REPO, "tests", "ulfm_uncaught_error.py")
+    _, out = _launch(3, example=program, args=["--killed-before-strategy"], ok=False)
+    assert "MPI_ERR_PROC_FAILED" in out, out[-3000:]
+
+
+@pytest.mark.single_process
 @pytest.mark.parametrize("elastic", [True, False], ids=["elastic", "plain"])
 def test_an_uncaught_error_on_one_rank_leaves_no_rank_waiting(elastic):
     # Under ULFM the rank dies by SIGKILL (a non-zero exit status would not be

@@ -1,10 +1,14 @@
 """Run by tests/test_elastic.py under ULFM: rank ``--rank`` raises an uncaught
 error at step ``--step``; the others must not wait for it. ``--elastic``: the
 loop runs inside elastic.run (the others go on without the rank), else the job
-ends with a non-zero status. Rank 0 of the end prints one JSON line."""
+ends with a non-zero status. ``--killed-before-strategy``: the rank is SIGKILLed
+before MPIStrategy() (the job ends, status 1). Rank 0 of the end prints one
+JSON line."""
 
 import argparse
 import json
+import os
+import signal
 
 import tensorflow as tf
 
@@ -16,7 +20,10 @@ def main():
     parser.add_argument("--rank", type=int, default=2)
     parser.add_argument("--step", type=int, default=3)
     parser.add_argument("--elastic", action="store_true")
+    parser.add_argument("--killed-before-strategy", action="store_true")
     args = parser.parse_args()
+    if args.killed_before_strategy and int(os.environ["OMPI_COMM_WORLD_RANK"]) == args.rank:
+        os.kill(os.getpid(), signal.SIGKILL)
     strategy = mpi_strategy.MPIStrategy()
     start_rank = strategy.extended.rank
     with strategy.scope():
