@@ -330,7 +330,8 @@ def _read(variables):
     model are dominated by them)."""
     key = tuple(id(v) for v in variables)
     if _reader["key"] != key:
-        _reader.update(key=key, read=tf.function(lambda: [tf.identity(v) for v in variables]))
+        _reader.update(key=key, read=tf.function(lambda: [tf.identity(v) for v in variables],
+                                                    autograph=False))
     return [t.numpy() for t in _reader["read"]()]
 
 
