@@ -325,14 +325,18 @@ def _forget_keras_functions(trackables):
 
 
 def _read(variables):
-    """The variables' values as numpy arrays, read in one traced function
-    (one eager read per distributed variable costs ~0.1 ms; commits of a small
-    model are dominated by them)."""
+    """Snapshots of the variables' values, read in one traced function (one
+    eager read per distributed variable costs ~0.1 ms, and a commit of a small
+    model is dominated by such costs). The tensors are immutable: a later
+    update of a variable copies its buffer first (copy on write), so no copy
+    is made here."""
     key = tuple(id(v) for v in variables)
     if _reader["key"] != key:
-        _reader.update(key=key, read=tf.function(lambda: [tf.identity(v) for v in variables],
-                                                    autograph=False))
-    return [t.numpy() for t in _reader["read"]()]
+        # Called as a concrete function: skips tf.function's argument matching
+        # (~0.07 ms of the ~0.25 ms call).
+        read = tf.function(lambda: [tf.identity(v) for v in variables], autograph=False)
+        _reader.update(key=key, read=read.get_concrete_function())
+    return _reader["read"]()
 
 
 _reader = {"key": None, "read": None}  # the newest state's reader, traced once
