@@ -12,7 +12,9 @@ examples per step once ranks are lost). ``--kill R@K`` (repeatable) makes rank
 R of the launch kill itself with SIGKILL in the middle of step K (after the
 update, before the loss is reduced: the survivors must roll back to undo it;
 K = --steps: as the program exits), to try it. With fewer than ``--min-ranks`` survivors the job ends with the last
-commit saved in ``--state-dir``; launched again, it resumes from there.
+commit saved in ``--state-dir``; launched again, it resumes from there. With
+``--replace-lost``, new processes are started for lost ranks and join at a
+commit: the job ends on as many ranks as it started with.
 """
 
 import argparse
@@ -50,9 +52,12 @@ def main():
     parser.add_argument("--commit-every", type=int, default=10)
     parser.add_argument("--kill", action="append", default=[], metavar="RANK@STEP",
                         help="rank RANK of the launch kills itself at step STEP")
+    parser.add_argument("--replace-lost", action="store_true",
+                        help="start new processes for lost ranks: they join at a commit")
     args = parser.parse_args()
+    launched = not mpi_strategy.elastic.is_replacement()  # not started for a lost rank
     my_kill_steps = {int(step) for rank, step in (k.split("@") for k in args.kill)
-                     if int(rank) == MPI.COMM_WORLD.Get_rank()}
+                     if int(rank) == MPI.COMM_WORLD.Get_rank() and launched}
 
     if args.steps in my_kill_steps:  # as the program exits: the others are finishing
         atexit.register(lambda: (time.sleep(1), os.kill(os.getpid(), signal.SIGKILL)))
@@ -70,7 +75,7 @@ def main():
                                        loss=float("nan"))
 
     @mpi_strategy.elastic.run(strategy, state, min_ranks=args.min_ranks,
-                              directory=args.state_dir)
+                              directory=args.state_dir, replace_lost=args.replace_lost)
     def train(state):
         rank = strategy.extended.rank
         replicas = strategy.num_replicas_in_sync
@@ -114,7 +119,8 @@ def main():
                           "steps": state.step, "examples": state.examples,
                           "final_loss": state.loss,
                           "weights_sum": float(sum(np.sum(w) for w in model.get_weights())),
-                          "recoveries": recoveries}),
+                          "recoveries": recoveries,
+                          "replacements": mpi_strategy.elastic.replacements}),
               flush=True)
 
 

@@ -47,9 +47,9 @@ import time
 import tensorflow as tf
 from mpi4py import MPI
 
-from mpi_strategy import write_point
+from mpi_strategy import replacement, write_point
 from mpi_strategy.errors import MPIStrategyError, RanksLostError, TooFewRanksError
-from mpi_strategy.failure import ulfm_launch
+from mpi_strategy.failure import is_process_failure, ulfm_launch
 from mpi_strategy.logs import logger
 
 _COMMITS_KEPT = 2  # a rank may have committed once more than a survivor that was cut short
@@ -69,6 +69,7 @@ class State:
         object.__setattr__(self, "_values", dict(values))
         object.__setattr__(self, "_commits", [])  # (number, variables, values), newest last
         object.__setattr__(self, "_number", 0)
+        object.__setattr__(self, "_on_commit", None)  # run()'s replacements join here
 
     def __getattr__(self, name):
         try:
@@ -87,6 +88,8 @@ class State:
         self._commits.append((self._number, (variables, _read(variables)),
                               dict(self._values)))
         del self._commits[:-_COMMITS_KEPT]
+        if self._on_commit is not None:
+            self._on_commit()
 
     @property
     def commit_number(self):
@@ -108,8 +111,29 @@ class State:
         object.__setattr__(self, "_number", number)
         del self._commits[[c[0] for c in self._commits].index(number) + 1:]
 
+    def _newest(self):
+        """(number, values, arrays) of the newest commit, to send to a replacement."""
+        number, (_, tensors), values = self._commits[-1]
+        return number, values, [t.numpy() for t in tensors]
 
-def run(strategy, state, min_ranks=1, directory="elastic_state"):
+    def _load(self, newest):
+        """Sets the variables and values to ``_newest()`` of another rank, and commits."""
+        number, values, arrays = newest
+        variables = _variables_of(self._trackables)
+        mine, theirs = [tuple(v.shape) for v in variables], [a.shape for a in arrays]
+        if mine != theirs:
+            raise MPIStrategyError(
+                f"mpi_strategy.elastic: this replacement's state has variables of shapes "
+                f"{mine}, the survivors' {theirs}: the program must build the same state.")
+        for variable, value in zip(variables, arrays):
+            variable.assign(value)
+        self._values.clear()
+        self._values.update(values)
+        object.__setattr__(self, "_number", number - 1)
+        self.commit()
+
+
+def run(strategy, state, min_ranks=1, directory="elastic_state", replace_lost=False):
     """Decorator: calls the function with ``state`` until it returns, continuing
     on the survivors each time ranks are lost (see the module docstring).
 
@@ -118,7 +142,10 @@ def run(strategy, state, min_ranks=1, directory="elastic_state"):
     launch, loaded from there (a log line says so); that saved state is removed
     once the function returns. ``min_ranks``: with fewer survivors, they save
     the newest commit that all of them hold in ``directory`` and raise
-    ``TooFewRanksError`` naming it (the job ends).
+    ``TooFewRanksError`` naming it (the job ends). ``replace_lost``: after a
+    recovery, start new processes of the program for the lost ranks; they join
+    at the first commit after they are ready, and the world returns to its size
+    (see ``mpi_strategy/replacement.py``).
     """
     if isinstance(min_ranks, bool) or not isinstance(min_ranks, int) or min_ranks < 1:
         raise ValueError(f"mpi_strategy.elastic.run: min_ranks must be an int >= 1, "
@@ -128,15 +155,25 @@ def run(strategy, state, min_ranks=1, directory="elastic_state"):
     def decorate(train):
         @functools.wraps(train)
         def elastic_train(*args, **kwargs):
-            resumed = not state.commit_number and _start(strategy, state, directory)
+            if replacement.is_replacement() and not state.commit_number:
+                resumed = _join(strategy, state)
+            else:
+                resumed = not state.commit_number and _start(strategy, state, directory)
+            regrowth = _Regrowth(strategy, state) if replace_lost else None
             while True:
                 try:
                     result = train(state, *args, **kwargs)
                     break
+                except _WorldGrew:
+                    continue  # at the commit just made, on more ranks
                 except Exception as error:  # noqa: BLE001 - only lost ranks are handled
                     if not _ranks_were_lost(strategy, error):
                         raise
                     _recover(strategy, state, min_ranks, directory, error)
+                    if regrowth:
+                        regrowth.after_recovery()
+            if regrowth:
+                regrowth.stop()
             if resumed:
                 _remove_saved(directory)
             return result
@@ -196,6 +233,81 @@ def _recover(strategy, state, min_ranks, directory, error):
         "(agree and shrink %.3f s, rebuild the strategy %.3f s, roll back %.3f s)",
         before - size, size, number, times["shrink_s"], times["rebuild_s"],
         times["rollback_s"])
+
+
+class _WorldGrew(Exception):
+    """Raised by a commit at which replacements joined: the function is called again."""
+
+
+class _Regrowth:
+    """``replace_lost``: after a recovery, replacements are spawned for the lost
+    ranks; at the first commit once they are ready, they join (see replacement.py)."""
+
+    def __init__(self, strategy, state):
+        self._strategy, self._state = strategy, state
+        self._size = strategy.extended.comm.Get_size()  # the world to return to
+        self._spawning = None
+        object.__setattr__(state, "_on_commit", self._at_commit)
+
+    def after_recovery(self):
+        self.stop()
+        missing = self._size - self._strategy.extended.comm.Get_size()
+        if missing > 0:
+            self._spawning = replacement.Spawning(self._strategy.extended.comm, missing)
+            logger.warning("mpi_strategy.elastic: starting %d replacement(s); they join "
+                           "at the first commit once they are ready", missing)
+
+    def stop(self):
+        """Replacements not joined yet leave (the program ends, or ranks were lost)."""
+        if self._spawning is not None:
+            self._spawning.dismiss(speaker=self._strategy.extended.rank == 0)
+            self._spawning = None
+
+    def _at_commit(self):
+        spawning = self._spawning
+        if spawning is None:
+            return
+        ordered = self._strategy.extended._cross_device_ops.ordered_comm  # pylint: disable=protected-access
+        try:
+            decision = spawning.decide()
+            if decision == replacement.WAIT:
+                return
+            self._spawning = None
+            if decision == replacement.GIVE_UP:
+                return
+            started = time.monotonic()
+            merged = spawning.join(self._state._newest())  # pylint: disable=protected-access
+        except MPI.Exception as error:
+            if not is_process_failure(error):
+                raise
+            # Revoked: survivors still in the decision or the join raise too.
+            raise ordered._ranks_lost(error) from error  # pylint: disable=protected-access
+        before = ordered.size
+        self._strategy.extended._continue_on(merged)  # pylint: disable=protected-access
+        _forget_keras_functions(self._state._trackables)  # pylint: disable=protected-access
+        replacements.append({"started_at": spawning.started_at,
+                             "spawned_at": spawning.spawned_at, "joined_at": time.time(),
+                             "join_s": time.monotonic() - started, "ranks_before": before,
+                             "ranks_after": merged.Get_size(),
+                             "commit": self._state.commit_number})
+        logger.warning("mpi_strategy.elastic: %d replacement(s) joined: continuing on %d "
+                       "ranks from commit #%d (%.1f s after they were started)",
+                       merged.Get_size() - before, merged.Get_size(),
+                       self._state.commit_number, time.time() - spawning.started_at)
+        raise _WorldGrew()
+
+
+def _join(strategy, state):
+    """In a replacement: builds the optimizers' slots, waits for the survivors'
+    next commit, and continues the strategy with them from it; False (nothing
+    was loaded from a directory)."""
+    _build_optimizers(strategy, state._trackables)  # pylint: disable=protected-access
+    if ulfm_launch():
+        _end_without_finalize_once(strategy)
+    merged, newest = replacement.join_survivors()
+    strategy.extended._continue_on(merged)  # pylint: disable=protected-access
+    state._load(newest)  # pylint: disable=protected-access
+    return False
 
 
 def _start(strategy, state, directory):
@@ -269,6 +381,8 @@ def _end_without_finalize(strategy):
     write_point.agree_on_the_end()  # returns if a rank died
     _meet_the_living(strategy.extended._cross_device_ops.ordered_comm.comm)  # pylint: disable=protected-access
     atexit.unregister(_end_without_finalize)
+    if replacement.is_replacement():
+        return  # exits as usual: Open MPI fails the job if a spawned process skips MPI_Finalize
     atexit._run_exitfuncs()  # pylint: disable=protected-access  (those registered before)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -286,6 +400,10 @@ def _meet_the_living(comm):
 # Every recovery of this process: when it noticed the failure (time.time())
 # and how long each part took; read by benchmarks and examples.
 recoveries = []
+# Every time replacements joined (replace_lost): when they were started, their
+# spawn returned and they joined (time.time()), how long the join took.
+replacements = []
+is_replacement = replacement.is_replacement
 
 
 def _shrink(comm):
@@ -356,4 +474,5 @@ def _variables_of(trackables):
     return variables
 
 
-__all__ = ["State", "run", "KerasCallback", "RanksLostError", "TooFewRanksError"]
+__all__ = ["State", "run", "KerasCallback", "is_replacement", "RanksLostError",
+           "TooFewRanksError"]

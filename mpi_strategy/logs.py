@@ -23,6 +23,8 @@ def configure():
     logger.addHandler(handler)
     logger.propagate = False  # one line per message, not one more via the root logger
     set_rank(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
+    if MPI.Comm.Get_parent() != MPI.COMM_NULL:
+        logger.setLevel(logging.ERROR)  # a replacement of a lost rank: quiet until it joins
 
 
 def set_rank(rank, size):

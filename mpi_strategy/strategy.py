@@ -104,10 +104,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
                 "tf.distribute.experimental.CommunicationOptions, got "
                 f"{type(communication_options).__name__}.")
         _warn_once_if_ignored(communication_options)
-        abort_job_on_uncaught_exception(comm)
-        if comm.Get_size() > 1:
-            saving.install(_tf_internal.WRITE_CALLS)
-            saving.install_synchronous_checkpoints(_tf_internal.ASYNC_CHECKPOINT_CALLS)
+        _install_multi_rank_hooks(comm)
         self._comm = comm
         self._rank = comm.Get_rank()
         self._num_ranks = comm.Get_size()
@@ -138,6 +135,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         ``elastic.py``) instead of its communicator: its variables, devices and
         options stay; its rank, world size, replica ids and collectives change.
         Collective over ``comm``. Functions traced before must be traced again."""
+        _install_multi_rank_hooks(comm)  # a replacement started on its own (replacement.py)
         self._comm = comm
         self._rank = comm.Get_rank()
         self._num_ranks = comm.Get_size()
@@ -310,6 +308,15 @@ class MPIExtended(_tf_internal.MirroredExtended):
             for i in range(len(self._devices))
         ]
         return _tf_internal.regroup(values, always_wrap=True)
+
+
+def _install_multi_rank_hooks(comm):
+    """Process-wide, once ``comm`` spans several ranks (idempotent): uncaught
+    errors end the job, and saving calls become write points."""
+    abort_job_on_uncaught_exception(comm)
+    if comm.Get_size() > 1:
+        saving.install(_tf_internal.WRITE_CALLS)
+        saving.install_synchronous_checkpoints(_tf_internal.ASYNC_CHECKPOINT_CALLS)
 
 
 def default_devices(comm):
