@@ -52,6 +52,8 @@ def main():
     parser.add_argument("--commit-every", type=int, default=10)
     parser.add_argument("--kill", action="append", default=[], metavar="RANK@STEP",
                         help="rank RANK of the launch kills itself at step STEP")
+    parser.add_argument("--pause-ms", type=float, default=0,
+                        help="sleep after each step (a slower model: time for replacements)")
     parser.add_argument("--replace-lost", action="store_true",
                         help="start new processes for lost ranks: they join at a commit")
     args = parser.parse_args()
@@ -105,6 +107,7 @@ def main():
                 recoveries[-1]["first_step_done_at"] = time.time()  # traced again, stepped
             state.step += 1
             state.examples += batch
+            time.sleep(args.pause_ms / 1000)
             if state.step % args.commit_every == 0:
                 state.commit()
                 if rank == 0:

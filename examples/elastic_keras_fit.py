@@ -9,7 +9,8 @@ goes on from the last epoch every survivor finished, with the same global
 batches. Rank 0 of the survivors prints, as its last line, one JSON object:
 ranks at start and at end, epochs and steps done, final loss.
 ``--kill R@B`` (repeatable) makes rank R of the launch kill itself with
-SIGKILL after global batch B of the run, to try it.
+SIGKILL after global batch B of the run, to try it. With ``--replace-lost``,
+new processes are started for lost ranks and join at the end of an epoch.
 """
 
 import argparse
@@ -45,9 +46,12 @@ def main():
     parser.add_argument("--examples", type=int, default=960)
     parser.add_argument("--global-batch", type=int, default=96)
     parser.add_argument("--kill", action="append", default=[], metavar="RANK@BATCH")
+    parser.add_argument("--replace-lost", action="store_true",
+                        help="start new processes for lost ranks: they join at an epoch's end")
     args = parser.parse_args()
     my_kills = [int(b) for r, b in (k.split("@") for k in args.kill)
-                if int(r) == MPI.COMM_WORLD.Get_rank()]
+                if int(r) == MPI.COMM_WORLD.Get_rank()
+                and not mpi_strategy.elastic.is_replacement()]
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.examples, 20)).astype(np.float32)
@@ -66,7 +70,7 @@ def main():
     state = mpi_strategy.elastic.State(model, model.optimizer, epoch=0)
     steps_per_epoch = args.examples // args.global_batch
 
-    @mpi_strategy.elastic.run(strategy, state)
+    @mpi_strategy.elastic.run(strategy, state, replace_lost=args.replace_lost)
     def train(state):
         return model.fit(x, y, batch_size=args.global_batch, epochs=args.epochs,
                          initial_epoch=state.epoch, shuffle=False, verbose=2,
@@ -80,7 +84,8 @@ def main():
                           "epochs": state.epoch, "steps": state.epoch * steps_per_epoch,
                           "final_loss": float(history["loss"][-1]),
                           "weights_sum": float(sum(np.sum(w) for w in model.get_weights())),
-                          "recoveries": mpi_strategy.elastic.recoveries}), flush=True)
+                          "recoveries": mpi_strategy.elastic.recoveries,
+                          "replacements": mpi_strategy.elastic.replacements}), flush=True)
 
 
 if __name__ == "__main__":

@@ -116,15 +116,20 @@ class State:
         number, (_, tensors), values = self._commits[-1]
         return number, values, [t.numpy() for t in tensors]
 
+    def _fits(self, newest):
+        """True if ``_newest()`` of another rank has this state's shapes (else says why)."""
+        mine = [tuple(v.shape) for v in _variables_of(self._trackables)]
+        theirs = [a.shape for a in newest[2]]
+        if mine != theirs:
+            logger.error("mpi_strategy.elastic: this replacement's state has variables of "
+                         "shapes %s, the survivors' %s: the program must build the same "
+                         "state on every rank.", mine, theirs)
+        return mine == theirs
+
     def _load(self, newest):
         """Sets the variables and values to ``_newest()`` of another rank, and commits."""
         number, values, arrays = newest
         variables = _variables_of(self._trackables)
-        mine, theirs = [tuple(v.shape) for v in variables], [a.shape for a in arrays]
-        if mine != theirs:
-            raise MPIStrategyError(
-                f"mpi_strategy.elastic: this replacement's state has variables of shapes "
-                f"{mine}, the survivors' {theirs}: the program must build the same state.")
         for variable, value in zip(variables, arrays):
             variable.assign(value)
         self._values.clear()
@@ -160,25 +165,31 @@ def run(strategy, state, min_ranks=1, directory="elastic_state", replace_lost=Fa
             else:
                 resumed = not state.commit_number and _start(strategy, state, directory)
             regrowth = _Regrowth(strategy, state) if replace_lost else None
-            while True:
-                try:
-                    result = train(state, *args, **kwargs)
-                    break
-                except _WorldGrew:
-                    continue  # at the commit just made, on more ranks
-                except Exception as error:  # noqa: BLE001 - only lost ranks are handled
-                    if not _ranks_were_lost(strategy, error):
-                        raise
-                    _recover(strategy, state, min_ranks, directory, error)
-                    if regrowth:
-                        regrowth.after_recovery()
-            if regrowth:
-                regrowth.stop()
+            try:
+                result = _train_until_done(train, strategy, state, min_ranks, directory,
+                                           regrowth, args, kwargs)
+            finally:
+                if regrowth:
+                    regrowth.stop()
             if resumed:
                 _remove_saved(directory)
             return result
         return elastic_train
     return decorate
+
+
+def _train_until_done(train, strategy, state, min_ranks, directory, regrowth, args, kwargs):
+    while True:
+        try:
+            return train(state, *args, **kwargs)
+        except _WorldGrew:
+            continue  # at the commit just made, on more ranks
+        except Exception as error:  # noqa: BLE001 - only lost ranks are handled
+            if not _ranks_were_lost(strategy, error):
+                raise
+            _recover(strategy, state, min_ranks, directory, error)
+            if regrowth:
+                regrowth.after_recovery()
 
 
 class KerasCallback(tf.keras.callbacks.Callback):
@@ -235,6 +246,9 @@ def _recover(strategy, state, min_ranks, directory, error):
         times["rollback_s"])
 
 
+_SPAWN_WAIT_AT_END_S = 60  # at the program's end, for a spawn to return (then: leave)
+
+
 class _WorldGrew(Exception):
     """Raised by a commit at which replacements joined: the function is called again."""
 
@@ -244,13 +258,15 @@ class _Regrowth:
     ranks; at the first commit once they are ready, they join (see replacement.py)."""
 
     def __init__(self, strategy, state):
+        replacement.check_can_replace()
         self._strategy, self._state = strategy, state
         self._size = strategy.extended.comm.Get_size()  # the world to return to
         self._spawning = None
+        self._dismissed = []  # spawns whose replacements must still be told to leave
         object.__setattr__(state, "_on_commit", self._at_commit)
 
     def after_recovery(self):
-        self.stop()
+        self._dismiss()
         missing = self._size - self._strategy.extended.comm.Get_size()
         if missing > 0:
             self._spawning = replacement.Spawning(self._strategy.extended.comm, missing)
@@ -258,12 +274,23 @@ class _Regrowth:
                            "at the first commit once they are ready", missing)
 
     def stop(self):
-        """Replacements not joined yet leave (the program ends, or ranks were lost)."""
+        """The program ends: replacements not joined yet leave."""
+        self._dismiss(wait_s=_SPAWN_WAIT_AT_END_S)
+        if self._dismissed:
+            logger.error("mpi_strategy.elastic: a spawn of replacements did not return in "
+                         "%d s; they end on their own within %d s.", _SPAWN_WAIT_AT_END_S,
+                         replacement.START_LIMIT_S)
+        replacement.flush_sends(_SPAWN_WAIT_AT_END_S)
+
+    def _dismiss(self, wait_s=0.0):
         if self._spawning is not None:
-            self._spawning.dismiss(speaker=self._strategy.extended.rank == 0)
+            self._dismissed.append(self._spawning)
             self._spawning = None
+        self._dismissed = [s for s in self._dismissed if not s.dismiss(wait_s)]
 
     def _at_commit(self):
+        if self._dismissed:
+            self._dismiss()  # their spawn may have returned since
         spawning = self._spawning
         if spawning is None:
             return
@@ -272,16 +299,19 @@ class _Regrowth:
             decision = spawning.decide()
             if decision == replacement.WAIT:
                 return
-            self._spawning = None
-            if decision == replacement.GIVE_UP:
-                return
             started = time.monotonic()
-            merged = spawning.join(self._state._newest())  # pylint: disable=protected-access
+            merged = None
+            if decision == replacement.JOIN:
+                merged = spawning.join(self._state._newest())  # pylint: disable=protected-access
         except MPI.Exception as error:
             if not is_process_failure(error):
                 raise
-            # Revoked: survivors still in the decision or the join raise too.
+            # Revoked: the survivors in another collective raise too; the
+            # recovery then tells the replacements to leave.
             raise ordered._ranks_lost(error) from error  # pylint: disable=protected-access
+        self._spawning = None
+        if merged is None:
+            return  # given up: training goes on with the survivors
         before = ordered.size
         self._strategy.extended._continue_on(merged)  # pylint: disable=protected-access
         _forget_keras_functions(self._state._trackables)  # pylint: disable=protected-access
@@ -304,7 +334,7 @@ def _join(strategy, state):
     _build_optimizers(strategy, state._trackables)  # pylint: disable=protected-access
     if ulfm_launch():
         _end_without_finalize_once(strategy)
-    merged, newest = replacement.join_survivors()
+    merged, newest = replacement.join_survivors(state._fits)  # pylint: disable=protected-access
     strategy.extended._continue_on(merged)  # pylint: disable=protected-access
     state._load(newest)  # pylint: disable=protected-access
     return False

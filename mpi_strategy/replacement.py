@@ -2,22 +2,26 @@
 
 With ``elastic.run(..., replace_lost=True)``, after a recovery that left fewer
 ranks than the job had, the survivors start as many new processes of the same
-program (``MPI_Comm_spawn``: same interpreter, arguments, working directory and
-environment) and go on training meanwhile. A replacement runs the program from
-its start up to ``elastic.run`` (importing TensorFlow, building the strategy
-and the model on its own), says that it is ready, and waits. At the first
-commit after that, every survivor and every replacement meet: the world grows
-back (the survivors keep their ranks, the replacements come after them), rank
-0 sends the commit just made, and every rank calls the function again.
+program (``MPI_Comm_spawn``: same interpreter, command line, working directory
+and environment) and go on training meanwhile. A replacement runs the program
+from its start up to ``elastic.run`` (importing TensorFlow, building the
+strategy and the model on its own), says that it is ready, and waits. At the
+first commit after that, every survivor and every replacement meet: the world
+grows back (the survivors keep their ranks, the replacements come after them),
+rank 0 sends the commit just made, and every rank calls the function again.
 
-Spawning runs in a background thread, since ``MPI_Comm_spawn`` returns only
-once the new processes initialised MPI; the thread uses its own duplicate of
-the survivors' communicator. A rank lost before the replacements joined
-abandons them (they leave) and the survivors spawn a new set.
+``MPI_Comm_spawn`` returns only once the new processes initialised MPI (after
+they imported TensorFlow), so it runs in a background thread, on its own
+duplicate of the survivors' communicator. Open MPI 5.0 does not tell a spawned
+process that a process of its parents' job died (measured: a receive from a
+dead parent waits for ever), so a replacement waits only for messages that a
+living survivor sends: JOIN, or LEAVE when ranks are lost again or the program
+ends before it joined; and a join that does not complete ends it.
 """
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -28,25 +32,32 @@ from mpi_strategy.errors import MPIStrategyError
 from mpi_strategy.logs import logger
 
 _READY, _DECISION = 7301, 7302  # tags: replacements -> survivors' rank 0, and back
-WAIT, JOIN, GIVE_UP, LEAVE = 0, 1, 2, 3  # decisions
-_SPAWN_WAIT_S = 120  # longest wait for a spawn to return when its replacements must leave
+WAIT, JOIN, GIVE_UP = 1, 2, 4  # decide()'s answers (bits: agreed with ULFM's Agree)
+_LEAVE, _HEARTBEAT = 8, 16
+HEARTBEAT_S = 5  # rank 0 tells waiting replacements that the survivors are there ...
+SILENCE_S = 60  # ... and a replacement that hears nothing for this long leaves
+START_LIMIT_S = 300  # a replacement that has neither joined nor left by then is ended
+JOIN_TIMEOUT_S = 120  # a replacement told to join that is not joined by then ends (status 1)
 
-# Run by a replacement's interpreter: the survivors' environment and working
-# directory first (the launcher gives spawned processes its own environment),
-# then MPI_Init (the survivors' spawn returns), then the program as __main__.
+# The command line and working directory this process was started with, to
+# start it again; taken at import, before the program changes either.
+_LAUNCH = {"argv": list(getattr(sys, "orig_argv", [])), "cwd": os.getcwd(),
+           "program": sys.argv[0] if sys.argv else ""}
+
+# Run by a replacement's interpreter: the survivors' environment (the launcher
+# gives spawned processes its own) and working directory, then the survivors'
+# command line in place of this one (so PYTHONPATH and the like count).
+# The alarm (kept across exec) ends a replacement that never gets to join or
+# leave, e.g. stuck in MPI_Init when a survivor died during the spawn.
 _BOOT = """\
-import json, os, runpy, sys
+import json, os, signal, sys
 for name, value in json.loads(sys.argv[1]).items():
     os.environ.setdefault(name, value)
 os.chdir(sys.argv[2])
-from mpi4py import MPI
-kind, target, sys.argv = sys.argv[3], sys.argv[4], sys.argv[4:]
-if kind == "module":
-    runpy.run_module(target, run_name="__main__", alter_sys=True)
-else:
-    sys.path[0] = os.path.dirname(os.path.abspath(target))
-    runpy.run_path(target, run_name="__main__")
+signal.alarm(int(sys.argv[4]))
+os.execv(sys.executable, [sys.executable] + json.loads(sys.argv[3]))
 """
+_pending_sends = []  # requests of messages never waited for: alive until the process ends
 
 
 def is_replacement():
@@ -54,26 +65,27 @@ def is_replacement():
     return MPI.Comm.Get_parent() != MPI.COMM_NULL
 
 
-def program_command():
-    """(interpreter options, "script" or "module", target, arguments) of this
-    process, to start it again; raises if it was not started as
-    ``python [options] script.py ...`` or ``python [options] -m module ...``."""
-    argv = list(getattr(sys, "orig_argv", []))
-    head = argv[:len(argv) - (len(sys.argv) - 1)]
-    if len(head) >= 3 and head[-2] == "-m":
-        return head[1:-2], "module", head[-1], sys.argv[1:]
-    if len(head) >= 2 and head[-1].startswith("-m") and len(head[-1]) > 2:
-        return head[1:-1], "module", head[-1][2:], sys.argv[1:]
-    if len(head) >= 2 and not head[-1].startswith("-") and os.path.isfile(head[-1]):
-        return head[1:-1], "script", head[-1], sys.argv[1:]
-    raise MPIStrategyError(
-        "mpi_strategy.elastic.run(replace_lost=True) starts the program again for each "
-        "lost rank: run it as `python train.py ...` or `python -m package.module ...` "
-        f"(this process: {argv or sys.argv}).")
+def check_can_replace():
+    """Raises (on every rank: nothing here communicates) unless replacements can
+    be started for this process."""
+    if _LAUNCH["program"] in ("", "-", "-c") or len(_LAUNCH["argv"]) < 2:
+        raise MPIStrategyError(
+            "mpi_strategy.elastic.run(replace_lost=True) starts the program again for each "
+            "lost rank: run it as `python train.py ...` or `python -m package.module ...` "
+            f"(this process: {_LAUNCH['argv'] or sys.argv}).")
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        raise MPIStrategyError(
+            "mpi_strategy.elastic.run(replace_lost=True) spawns replacements from a thread "
+            "while training goes on: MPI must be initialized with MPI_THREAD_MULTIPLE "
+            "(mpi4py's default).")
 
 
 class Spawning:
-    """Replacements being started for the survivors of ``comm`` (collective)."""
+    """Replacements being started for the survivors of ``comm`` (collective).
+
+    (Spawning from rank 0 alone and connecting the others at the join with
+    ``MPI_Intercomm_create`` was tried: collectives on the result hung in Open
+    MPI 5.0.)"""
 
     def __init__(self, comm, count):
         self.count = count
@@ -82,7 +94,7 @@ class Spawning:
         self._rank = comm.Get_rank()
         self._spawn_comm, self._decide_comm = comm.Dup(), comm.Dup()
         self._intercomm, self._error = None, None
-        self._command = program_command() if self._rank == 0 else None
+        self._settled = threading.Event()  # joined or dismissed: no more heartbeats
         self._thread = threading.Thread(target=self._spawn, daemon=True,
                                         name="mpi_strategy-spawn")
         self._thread.start()
@@ -90,9 +102,8 @@ class Spawning:
     def _spawn(self):
         args = None
         if self._rank == 0:
-            options, kind, target, arguments = self._command
-            args = [*options, "-c", _BOOT, json.dumps(dict(os.environ)), os.getcwd(),
-                    kind, target, *arguments]
+            args = ["-c", _BOOT, json.dumps(dict(os.environ)), _LAUNCH["cwd"],
+                    json.dumps(_LAUNCH["argv"][1:]), str(START_LIMIT_S)]
         try:
             intercomm = self._spawn_comm.Spawn(sys.executable, args=args,
                                                maxprocs=self.count, root=0)
@@ -101,78 +112,161 @@ class Spawning:
         except MPI.Exception as error:
             self._error = error
         self.spawned_at = time.time()
+        while self._rank == 0 and self._intercomm and not self._settled.wait(HEARTBEAT_S):
+            _send(self._intercomm, _HEARTBEAT)
 
     def decide(self):
-        """At a commit, on every survivor: ``JOIN`` once every replacement is
-        ready, ``GIVE_UP`` if they could not be started, else ``WAIT``.
-        Raises ``MPI.Exception`` if a survivor died."""
-        decision = WAIT
-        if self._rank == 0 and not self._thread.is_alive():
-            if self._error is not None:
-                decision = GIVE_UP
-            elif self._intercomm.Iprobe(source=0, tag=_READY):
-                decision = JOIN
-        decision = self._decide_comm.bcast(decision, root=0)
-        if decision == GIVE_UP:
+        """At a commit, on every survivor, the same answer: ``JOIN`` once every
+        replacement is ready, ``GIVE_UP`` if they could not be started (or one
+        died), else ``WAIT``. Raises ``MPI.Exception`` if a survivor died."""
+        decision = ~0  # the others' bits leave rank 0's decision as it is ...
+        if self._error is not None:
+            decision = ~JOIN  # ... unless their spawn failed
+        if self._rank == 0:
+            decision = WAIT
+            if self.spawned_at is not None:  # the thread goes on with heartbeats
+                try:
+                    if self._error is not None:
+                        decision = GIVE_UP
+                    elif self._intercomm.Iprobe(source=0, tag=_READY):
+                        decision = JOIN
+                except MPI.Exception as error:  # a replacement died
+                    self._error, decision = error, GIVE_UP
+        decision = self._decide_comm.Agree(decision)
+        if decision not in (WAIT, JOIN):
+            decision = GIVE_UP
             self._thread.join()
             logger.warning("mpi_strategy.elastic: could not start %d replacement(s) (%s); "
                            "training goes on without them.", self.count,
                            self._error.Get_error_string() if self._error else "see rank 0")
         return decision
 
-    def join(self, snapshot):
+    def join(self, newest):
         """Every survivor: merges with the ready replacements and sends them
-        ``snapshot`` (rank 0's is sent); returns the merged communicator
-        (survivors first). Raises ``MPI.Exception`` if a rank died."""
+        ``newest`` (rank 0's commit); returns the merged communicator (survivors
+        first), or None if a replacement built a state of other shapes. Raises
+        ``MPI.Exception`` if a rank died (the intercommunicator is revoked then:
+        every survivor in the join raises)."""
+        self._settled.set()
         self._thread.join()  # the spawn returns on rank 0 first
-        root = MPI.ROOT if self._rank == 0 else MPI.PROC_NULL
-        if self._rank == 0:
-            self._intercomm.recv(source=0, tag=_READY)
-            self._intercomm.send(JOIN, dest=0, tag=_DECISION)
-        self._intercomm.bcast(snapshot, root=root)  # to the replacements only
-        merged = self._intercomm.Merge(high=False)
-        merged.Set_errhandler(MPI.ERRORS_RETURN)
-        merged.Agree(1)  # every rank holds the state: else all of them raise
-        return merged
-
-    def dismiss(self, speaker):
-        """The replacements will not join (ranks were lost again, or the program
-        ends): ``speaker`` (one living survivor) tells them to leave. A message,
-        not a revoke: Open MPI 5.0 does not tell spawned processes that a
-        process of their parents' job died (measured), so they must not wait
-        for an event that never comes."""
-        self._thread.join(_SPAWN_WAIT_S)
-        if not speaker or self._intercomm is None:
-            if speaker and self._thread.is_alive():
-                logger.error("mpi_strategy.elastic: the spawn of %d replacement(s) did not "
-                             "return in %d s; they may be left waiting.", self.count,
-                             _SPAWN_WAIT_S)
-            return
         try:
-            self._intercomm.send(LEAVE, dest=0, tag=_DECISION)
+            if self._rank == 0:
+                self._intercomm.recv(source=0, tag=_READY)
+                self._intercomm.send(JOIN, dest=0, tag=_DECISION)
+            self._intercomm.bcast(newest, root=MPI.ROOT if self._rank == 0 else MPI.PROC_NULL)
+            merged = self._intercomm.Merge(high=False)
+            merged.Set_errhandler(MPI.ERRORS_RETURN)
+            if not merged.Agree(1):  # every rank holds the state, of the same shapes
+                logger.error("mpi_strategy.elastic: a replacement built a state of other "
+                             "shapes than the survivors' (see its error); training goes on "
+                             "without it.")
+                return None
+            return merged
         except MPI.Exception:
-            pass  # the replacement is gone already
+            if self._intercomm is not None:
+                self._revoke(self._intercomm)
+            raise
+
+    def dismiss(self, wait_s=0.0):
+        """The replacements will not join (ranks were lost again, or the program
+        ends): every survivor whose spawn returned tells them to leave (the first
+        message counts). False while the spawn has not returned here, within
+        ``wait_s``: call again later. (After a survivor died during the spawn,
+        Open MPI 5.0's spawn may never return on its root (measured); the
+        replacements then hear no heartbeat and leave after ``SILENCE_S``, or
+        are ended after ``START_LIMIT_S``.)"""
+        self._settled.set()
+        self._thread.join(wait_s)
+        if self._thread.is_alive():
+            return False
+        self._revoke(self._decide_comm)
+        if self._intercomm is not None:
+            _send(self._intercomm, _LEAVE)
+        return True
+
+    @staticmethod
+    def _revoke(comm):
+        try:
+            comm.Revoke()
+        except MPI.Exception:
+            pass
 
 
-def join_survivors():
+def _send(intercomm, message):
+    """To the replacements' rank 0; never waited for (see ``flush_sends``)."""
+    try:
+        _pending_sends.append(intercomm.isend(message, dest=0, tag=_DECISION))
+    except MPI.Exception:
+        pass  # gone already, or revoked by a failed join
+
+
+def flush_sends(timeout_s):
+    """Waits (at most ``timeout_s``) for the messages sent to replacements to
+    leave this process: before it exits without MPI_Finalize."""
+    deadline = time.monotonic() + timeout_s
+    while _pending_sends and time.monotonic() < deadline:
+        try:
+            if not _pending_sends[0].Test():
+                time.sleep(0.01)
+                continue
+        except MPI.Exception:
+            pass
+        _pending_sends.pop(0)
+
+
+def join_survivors(check):
     """In a replacement, at ``elastic.run``: tells the survivors it is ready and
-    waits for their decision at their next commit. Returns (the merged
-    communicator, the state snapshot rank 0 sent) or, told to leave, raises
-    ``SystemExit(0)``: the replacement ends as a program that finished."""
+    waits for their decision at their next commit. Told to join, receives the
+    commit, calls ``check(newest)`` (False: its state does not fit) and returns
+    (the merged communicator, the commit); told to leave, raises
+    ``SystemExit(0)``: the replacement ends as a finished program."""
     parent, world = MPI.Comm.Get_parent(), MPI.COMM_WORLD
     parent.Set_errhandler(MPI.ERRORS_RETURN)
     world.Barrier()  # every replacement is ready
-    decision = LEAVE
+    decision = _LEAVE
     if world.Get_rank() == 0:
         # Not waited for: a send to a survivor that died may never complete.
-        parent.isend(None, dest=0, tag=_READY)
-        decision = parent.recv(source=MPI.ANY_SOURCE, tag=_DECISION)
-    if world.bcast(decision, root=0) == LEAVE:
+        _pending_sends.append(parent.isend(None, dest=0, tag=_READY))
+        decision = _wait_for_decision(parent)
+    if world.bcast(decision, root=0) == _LEAVE:
         logger.error("mpi_strategy.elastic: this replacement is not needed any more "
-                     "(the survivors lost another rank or finished); it ends.")
+                     "(the survivors lost another rank, finished, or went silent); it ends.")
+        signal.alarm(0)
         raise SystemExit(0)
-    snapshot = parent.bcast(None, root=0)
+    watchdog = threading.Timer(JOIN_TIMEOUT_S, _join_timed_out)
+    watchdog.daemon = True
+    watchdog.start()
+    newest = parent.bcast(None, root=0)
     merged = parent.Merge(high=True)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
-    merged.Agree(1)
-    return merged, snapshot
+    fits = check(newest)
+    joined = merged.Agree(int(fits))
+    watchdog.cancel()
+    signal.alarm(0)
+    if not fits or not joined:
+        raise MPIStrategyError("mpi_strategy.elastic: this replacement could not join the "
+                               "survivors (its state does not fit theirs, or another's).")
+    return merged, newest
+
+
+def _wait_for_decision(parent):
+    """JOIN or LEAVE from a survivor; LEAVE after ``SILENCE_S`` without even a
+    heartbeat (rank 0 died: Open MPI would not say so). Polls gently: the
+    survivors may share the cores."""
+    status, heard = MPI.Status(), time.monotonic()
+    while time.monotonic() - heard < SILENCE_S:
+        if not parent.Iprobe(source=MPI.ANY_SOURCE, tag=_DECISION, status=status):
+            time.sleep(0.02)
+            continue
+        message = parent.recv(source=status.Get_source(), tag=_DECISION)
+        if message != _HEARTBEAT:
+            return message
+        heard = time.monotonic()
+    return _LEAVE
+
+
+def _join_timed_out():
+    logger.error("mpi_strategy.elastic: this replacement was told to join but the join did "
+                 "not complete in %d s (a survivor died meanwhile?); it ends.", JOIN_TIMEOUT_S)
+    sys.stderr.flush()
+    os._exit(1)

@@ -136,6 +136,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         options stay; its rank, world size, replica ids and collectives change.
         Collective over ``comm``. Functions traced before must be traced again."""
         _install_multi_rank_hooks(comm)  # a replacement started on its own (replacement.py)
+        check_same_on_all_ranks(comm, len(self._devices), "number of devices per rank")
         self._comm = comm
         self._rank = comm.Get_rank()
         self._num_ranks = comm.Get_size()

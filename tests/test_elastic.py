@@ -306,28 +306,18 @@ def test_an_uncaught_error_on_one_rank_leaves_no_rank_waiting(elastic):
         assert "RanksLostError" in out, out[-3000:]
 
 
-GROW = ("--steps", "3000")  # long enough for a replacement to start TensorFlow meanwhile
-
-
-@pytest.fixture(scope="module")
-def uninterrupted_grow():
-    _needs_ulfm()
-    result, _ = _launch(3, args=GROW)
-    assert (result["ranks_at_end"], result["steps"]) == (3, 3000)
-    return result
-
-
 @pytest.mark.single_process
-def test_a_replacement_joins_at_a_commit_and_the_world_grows_back(uninterrupted_grow):
-    # Slow (two launches of 3000 steps): the replacement starts Python and
-    # TensorFlow while the survivors train on 2 ranks.
-    got, out = _launch(3, ["2@15"], args=GROW + ("--replace-lost",))
+def test_a_replacement_joins_at_a_commit_and_the_world_grows_back(uninterrupted_long):
+    # The survivors pause 10 ms a step (a slower model), so that the
+    # replacement has started Python and TensorFlow well before step 600.
+    got, out = _launch(3, ["2@15"], args=LONG + ("--pause-ms", "10", "--replace-lost"))
     assert got["ranks_at_end"] == 3, f"the replacement did not join:\n{out[-3000:]}"
     (joined,) = got["replacements"]
     assert (joined["ranks_before"], joined["ranks_after"]) == (2, 3)
+    assert joined["started_at"] < joined["spawned_at"] < joined["joined_at"]
     # 3 ranks, then 2 from the commit before the kill, then 3 from a later
     # commit: every step on the same global batch, as without a failure.
-    _assert_same_run(got, uninterrupted_grow)
+    _assert_same_run(got, uninterrupted_long)
     assert out.count("replacement(s) joined") == 1, out[-3000:]
 
 
