@@ -44,6 +44,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
@@ -116,15 +117,10 @@ class State:
         number, (_, tensors), values = self._commits[-1]
         return number, values, [t.numpy() for t in tensors]
 
-    def _fits(self, newest):
-        """True if ``_newest()`` of another rank has this state's shapes (else says why)."""
-        mine = [tuple(v.shape) for v in _variables_of(self._trackables)]
-        theirs = [a.shape for a in newest[2]]
-        if mine != theirs:
-            logger.error("mpi_strategy.elastic: this replacement's state has variables of "
-                         "shapes %s, the survivors' %s: the program must build the same "
-                         "state on every rank.", mine, theirs)
-        return mine == theirs
+    def _specs(self):
+        """(shape, numpy dtype) of each variable, as ``_newest()`` lists them."""
+        return [(tuple(v.shape), tf.as_dtype(v.dtype).as_numpy_dtype)
+                for v in _variables_of(self._trackables)]
 
     def _load(self, newest):
         """Sets the variables and values to ``_newest()`` of another rank, and commits."""
@@ -223,7 +219,9 @@ def _recover(strategy, state, min_ranks, directory, error):
     started = time.monotonic()
     survivors = _shrink(old)
     size = survivors.Get_size()
-    number = survivors.allreduce(state.commit_number, op=MPI.MIN)
+    number = np.array([state.commit_number], np.int64)
+    survivors.Allreduce(MPI.IN_PLACE, number, op=MPI.MIN)  # raw buffers: nothing unpickled
+    number = int(number[0])
     times["shrink_s"] = time.monotonic() - started
     strategy.extended._continue_on(survivors)  # pylint: disable=protected-access
     _forget_keras_functions(state._trackables)  # pylint: disable=protected-access
@@ -334,7 +332,7 @@ def _join(strategy, state):
     _build_optimizers(strategy, state._trackables)  # pylint: disable=protected-access
     if ulfm_launch():
         _end_without_finalize_once(strategy)
-    merged, newest = replacement.join_survivors(state._fits)  # pylint: disable=protected-access
+    merged, newest = replacement.join_survivors(state._specs())  # pylint: disable=protected-access
     strategy.extended._continue_on(merged)  # pylint: disable=protected-access
     state._load(newest)  # pylint: disable=protected-access
     return False

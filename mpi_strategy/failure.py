@@ -33,8 +33,10 @@ def aborting():
 
 
 def abort_job_on_uncaught_exception(comm):
-    """Installs (once per process) the excepthook that aborts the MPI job."""
-    if comm.Get_size() == 1:
+    """Installs (once per process) the excepthook that aborts the MPI job (also
+    in a replacement of a lost rank, alone in its world until it joins: the
+    survivors must learn of its death)."""
+    if comm.Get_size() == 1 and MPI.Comm.Get_parent() == MPI.COMM_NULL:
         return
     with _installed:
         if _state["hook"] is not None:

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 from mpi4py import MPI
 
 from mpi_strategy.errors import MPIStrategyError
@@ -33,7 +34,7 @@ from mpi_strategy.logs import logger
 
 _READY, _DECISION = 7301, 7302  # tags: replacements -> survivors' rank 0, and back
 WAIT, JOIN, GIVE_UP = 1, 2, 4  # decide()'s answers (bits: agreed with ULFM's Agree)
-_LEAVE, _HEARTBEAT = 8, 16
+_LEAVE, _HEARTBEAT, _SILENT = 8, 16, 32
 HEARTBEAT_S = 5  # rank 0 tells waiting replacements that the survivors are there ...
 SILENCE_S = 60  # ... and a replacement that hears nothing for this long leaves
 START_LIMIT_S = 300  # a replacement that has neither joined nor left by then is ended
@@ -150,10 +151,11 @@ class Spawning:
         self._settled.set()
         self._thread.join()  # the spawn returns on rank 0 first
         try:
+            root = MPI.ROOT if self._rank == 0 else MPI.PROC_NULL
             if self._rank == 0:
-                self._intercomm.recv(source=0, tag=_READY)
-                self._intercomm.send(JOIN, dest=0, tag=_DECISION)
-            self._intercomm.bcast(newest, root=MPI.ROOT if self._rank == 0 else MPI.PROC_NULL)
+                self._intercomm.Recv(_word(), source=0, tag=_READY)
+                self._intercomm.Send(_word(JOIN), dest=0, tag=_DECISION)
+            _send_commit(self._intercomm, root, *newest)
             merged = self._intercomm.Merge(high=False)
             merged.Set_errhandler(MPI.ERRORS_RETURN)
             if not merged.Agree(1):  # every rank holds the state, of the same shapes
@@ -192,12 +194,55 @@ class Spawning:
             pass
 
 
+def _word(value=0):
+    """A message of one int64: raw buffers only, nothing is unpickled (docs/security.md)."""
+    return np.array([value], np.int64)
+
+
 def _send(intercomm, message):
     """To the replacements' rank 0; never waited for (see ``flush_sends``)."""
     try:
-        _pending_sends.append(intercomm.isend(message, dest=0, tag=_DECISION))
+        _pending_sends.append(intercomm.Isend(_word(message), dest=0, tag=_DECISION))
     except MPI.Exception:
         pass  # gone already, or revoked by a failed join
+
+
+def _layout(specs):
+    """[[shape, dtype name, bytes]] of (shape, numpy dtype) pairs."""
+    return [[list(shape), np.dtype(dtype).name, int(np.prod(shape)) * np.dtype(dtype).itemsize]
+            for shape, dtype in specs]
+
+
+def _send_commit(intercomm, root, number, values, arrays):
+    """Rank 0 of the survivors to every replacement: a JSON header (commit
+    number, the state's values, the arrays' layout), then each array's bytes."""
+    header = np.frombuffer(json.dumps({"number": number, "values": values, "layout": _layout(
+        (a.shape, a.dtype) for a in arrays)}).encode(), np.uint8)
+    intercomm.Bcast(_word(header.size), root=root)
+    intercomm.Bcast(header, root=root)
+    for array in arrays:
+        intercomm.Bcast(np.ascontiguousarray(array).view(np.uint8).reshape(-1), root=root)
+
+
+def _receive_commit(intercomm, specs):
+    """The commit ``_send_commit`` sends, as (number, values, arrays of ``specs``,
+    (shape, dtype) pairs) or None (after receiving it all) if its layout differs."""
+    size = _word()
+    intercomm.Bcast(size, root=0)
+    header = np.empty(size[0], np.uint8)
+    intercomm.Bcast(header, root=0)
+    header = json.loads(header.tobytes().decode())
+    arrays = []
+    for _, _, nbytes in header["layout"]:
+        arrays.append(np.empty(nbytes, np.uint8))
+        intercomm.Bcast(arrays[-1], root=0)
+    if header["layout"] != _layout(specs):
+        logger.error("mpi_strategy.elastic: this replacement's state (shapes and dtypes %s) "
+                     "is not the survivors' (%s): the program must build the same state on "
+                     "every rank.", _layout(specs), header["layout"])
+        return None
+    return header["number"], header["values"], [
+        a.view(dtype).reshape(shape) for a, (shape, dtype) in zip(arrays, specs)]
 
 
 def flush_sends(timeout_s):
@@ -214,32 +259,39 @@ def flush_sends(timeout_s):
         _pending_sends.pop(0)
 
 
-def join_survivors(check):
+def join_survivors(specs):
     """In a replacement, at ``elastic.run``: tells the survivors it is ready and
     waits for their decision at their next commit. Told to join, receives the
-    commit, calls ``check(newest)`` (False: its state does not fit) and returns
-    (the merged communicator, the commit); told to leave, raises
-    ``SystemExit(0)``: the replacement ends as a finished program."""
+    commit (its arrays must have the (shape, dtype) ``specs`` of this state)
+    and returns (the merged communicator, (number, values, arrays)); told to
+    leave, raises ``SystemExit(0)``: the replacement ends as a finished program."""
     parent, world = MPI.Comm.Get_parent(), MPI.COMM_WORLD
     parent.Set_errhandler(MPI.ERRORS_RETURN)
     world.Barrier()  # every replacement is ready
     decision = _LEAVE
     if world.Get_rank() == 0:
         # Not waited for: a send to a survivor that died may never complete.
-        _pending_sends.append(parent.isend(None, dest=0, tag=_READY))
+        _pending_sends.append(parent.Isend(_word(), dest=0, tag=_READY))
         decision = _wait_for_decision(parent)
-    if world.bcast(decision, root=0) == _LEAVE:
-        logger.error("mpi_strategy.elastic: this replacement is not needed any more "
-                     "(the survivors lost another rank, finished, or went silent); it ends.")
+    decision = _word(decision)
+    world.Bcast(decision, root=0)
+    if decision[0] == _SILENT:  # MPI_Finalize could wait for the dead: end at once
+        logger.error("mpi_strategy.elastic: no word from the survivors' rank 0 for %d s; "
+                     "this replacement ends (status 1).", SILENCE_S)
+        sys.stderr.flush()
+        os._exit(1)
+    if decision[0] == _LEAVE:
+        logger.error("mpi_strategy.elastic: this replacement is not needed any more (the "
+                     "survivors lost another rank or finished); it ends.")
         signal.alarm(0)
         raise SystemExit(0)
     watchdog = threading.Timer(JOIN_TIMEOUT_S, _join_timed_out)
     watchdog.daemon = True
     watchdog.start()
-    newest = parent.bcast(None, root=0)
+    newest = _receive_commit(parent, specs)
     merged = parent.Merge(high=True)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
-    fits = check(newest)
+    fits = newest is not None
     joined = merged.Agree(int(fits))
     watchdog.cancel()
     signal.alarm(0)
@@ -250,7 +302,7 @@ def join_survivors(check):
 
 
 def _wait_for_decision(parent):
-    """JOIN or LEAVE from a survivor; LEAVE after ``SILENCE_S`` without even a
+    """JOIN or LEAVE from a survivor; SILENT after ``SILENCE_S`` without even a
     heartbeat (rank 0 died: Open MPI would not say so). Polls gently: the
     survivors may share the cores."""
     status, heard = MPI.Status(), time.monotonic()
@@ -258,11 +310,12 @@ def _wait_for_decision(parent):
         if not parent.Iprobe(source=MPI.ANY_SOURCE, tag=_DECISION, status=status):
             time.sleep(0.02)
             continue
-        message = parent.recv(source=status.Get_source(), tag=_DECISION)
-        if message != _HEARTBEAT:
-            return message
+        message = _word()
+        parent.Recv(message, source=status.Get_source(), tag=_DECISION)
+        if message[0] != _HEARTBEAT:
+            return int(message[0])
         heard = time.monotonic()
-    return _LEAVE
+    return _SILENT
 
 
 def _join_timed_out():
