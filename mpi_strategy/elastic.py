@@ -33,6 +33,9 @@ commit saved in ``directory`` (a TensorFlow checkpoint); a relaunch of the
 same program, at any world size, resumes from it and removes it once the
 function has returned.
 
+With ``replace_lost=True`` the survivors also start new processes for the
+lost ranks, which join at a later commit (``mpi_strategy/replacement.py``).
+
 Without ULFM (MPICH, or Open MPI without ``--with-ft ulfm``) a lost rank ends
 the job, as without elastic mode.
 """
