@@ -26,6 +26,10 @@ failures, 40 steps apart), each launched REPEATS times. From the killed rank's
 ``killed_at`` and rank 0's ``elastic.recoveries``: detection (``detected_at -
 killed_at``), agree and shrink, rebuild, roll back, and the first step after
 them (tracing the step function again), in ms, median and min-max.
+
+Growing back: the same example with ``--replace-lost``, 3 -> 2 -> 3 ranks: from
+the SIGKILL to the replacement's spawn returning, to the next commit, the join,
+and the first step on 3 ranks.
 """
 
 import argparse
@@ -59,6 +63,10 @@ EXAMPLE = os.path.join(REPO, "examples", "elastic_custom_loop.py")
 RECOVERY_STEPS = 120
 RECOVERY_LAUNCHES = {"3 -> 2": (3, ["2@50"]), "4 -> 3 -> 2": (4, ["3@50", "1@90"])}
 REPEATS, QUICK_REPEATS = 3, 1
+# Growing back (replace_lost): 3 -> 2 -> 3 ranks, the survivors pausing 10 ms a
+# step (a slower model) so that the replacement joins well before the end.
+GROWTH_ARGS = ["--steps", "600", "--pause-ms", "10", "--replace-lost", "--kill", "2@15"]
+GROWTH_PHASES = ["spawn returned", "to the next commit", "join", "first step", "total"]
 PHASES = ["detection", "agree and shrink", "rebuild", "roll back", "first step", "total"]
 HEADERS = ["detection", "agree and shrink", "rebuild", "roll back", "first step (retrace)",
            "SIGKILL to first step"]
@@ -94,6 +102,7 @@ def run(quick=False, progress=print):
             result["launches"].append(dict(launch(mpirun, variant, steps, warmup), round=i))
     result["models"] = {m: summary(result["launches"], m) for m in MODELS}
     result["recovery"] = recovery(mpirun, QUICK_REPEATS if quick else REPEATS, progress)
+    result["growth"] = growth(mpirun, QUICK_REPEATS if quick else REPEATS, progress)
     return result
 
 
@@ -205,7 +214,8 @@ def markdown(part):
     return (lines + [""] + [f"- {v}" for v in verdicts(part)]
             + [f"- load average before each launch: {'; '.join(loads)}"]
             + [f"- failed: {e}" for e in errors] + [""]
-            + (recovery_markdown(part["recovery"]) if "recovery" in part else []))
+            + (recovery_markdown(part["recovery"]) if "recovery" in part else [])
+            + (growth_markdown(part["growth"]) if "growth" in part else []))
 
 
 def recovery(mpirun, repeats, progress=print):
@@ -285,6 +295,52 @@ def recovery_markdown(part):
               for r in part["launches"] if "error" in r]
     return (lines + ["", f"- load average before each launch: {'; '.join(loads)}"]
             + [f"- failed: {e}" for e in errors] + [""])
+
+
+def growth(mpirun, repeats, progress=print):
+    """3 -> 2 -> 3 ranks with ``replace_lost``, ``repeats`` launches: from the
+    SIGKILL to the replacement's spawn returning (it started Python and
+    TensorFlow), to the next commit, the join itself, the first step on 3 ranks
+    (a retrace), in ms; median, min and max."""
+    launches = []
+    for i in range(repeats):
+        progress(f"elastic: growing back {i + 1}/{repeats}, 3 -> 2 -> 3")
+        row = {"load_before": load_average()}
+        code, out, error = _run(_mpirun(mpirun, 3, ulfm=True)
+                                + ["-x", "PYTHONUNBUFFERED=1", sys.executable, EXAMPLE]
+                                + GROWTH_ARGS)
+        objects = json_objects(out or "")
+        killed = [o["killed_at"] for o in objects if "killed_at" in o]
+        grown = [o["replacements"] for o in objects if "replacements" in o]
+        if error or code != 0 or not killed or not grown or len(grown[-1]) != 1:
+            launches.append(dict(row, error=error or f"exit {code}: {out[-3000:]}"))
+            continue
+        r = grown[-1][0]
+        ms = {"spawn returned": r["spawned_at"] - killed[0],
+              "to the next commit": r["joined_at"] - r["join_s"] - r["spawned_at"],
+              "join": r["join_s"], "first step": r["first_step_done_at"] - r["joined_at"],
+              "total": r["first_step_done_at"] - killed[0]}
+        launches.append(dict(row, **{k: v * 1e3 for k, v in ms.items()}))
+    ok = [r for r in launches if "error" not in r]
+    rows = {p: {"median": statistics.median(r[p] for r in ok), "min": min(r[p] for r in ok),
+                "max": max(r[p] for r in ok)} for p in GROWTH_PHASES} if ok else {}
+    return {"args": GROWTH_ARGS, "launches": launches, "rows": rows}
+
+
+def growth_markdown(part):
+    """The growing-back table as markdown lines."""
+    lines = [f"#### Growing back: 3 -> 2 -> 3 ranks (`{os.path.relpath(EXAMPLE, REPO)} "
+             f"{' '.join(part['args'])}`)", "",
+             f"ms from the SIGKILL, median (min-max) over {len(part['launches'])} launch(es).",
+             "", "| " + " | ".join(GROWTH_PHASES) + " |", "|" + "---:|" * len(GROWTH_PHASES)]
+    if part["rows"]:
+        lines.append("| " + " | ".join(
+            f"{_ms(part['rows'][p]['median'])} ({_ms(part['rows'][p]['min'])}-"
+            f"{_ms(part['rows'][p]['max'])})" for p in GROWTH_PHASES) + " |")
+    loads = [str(r["load_before"]) for r in part["launches"]]
+    errors = [r["error"][:300] for r in part["launches"] if "error" in r]
+    return (lines + ["", f"- load average before each launch: {'; '.join(loads)}"]
+            + [f"- failed: {e!r}" for e in errors] + [""])
 
 
 def _ms(value):

@@ -103,8 +103,9 @@ def main():
                 print(json.dumps({"killed_at": time.time()}), flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             state.loss = float(strategy.reduce("SUM", loss, axis=None))
-            if recoveries and "first_step_done_at" not in recoveries[-1]:
-                recoveries[-1]["first_step_done_at"] = time.time()  # traced again, stepped
+            for happened in (recoveries, mpi_strategy.elastic.replacements):
+                if happened and "first_step_done_at" not in happened[-1]:
+                    happened[-1]["first_step_done_at"] = time.time()  # traced again, stepped
             state.step += 1
             state.examples += batch
             time.sleep(args.pause_ms / 1000)
