@@ -337,4 +337,5 @@ def agree_on_the_end():
     except MPIStrategyError as exc:
         sys.stderr.write(f"{exc}\n")
         sys.stderr.flush()
+        time.sleep(1.0)  # lets the launcher forward the message before the abort kills all
         MPI.COMM_WORLD.Abort(1)
