@@ -159,8 +159,9 @@ def run(strategy, state, min_ranks=1, directory="elastic_state", replace_lost=Fa
     def decorate(train):
         @functools.wraps(train)
         def elastic_train(*args, **kwargs):
+            resumed = False  # a replacement loads the survivors' commit
             if replacement.is_replacement() and not state.commit_number:
-                resumed = _join(strategy, state)
+                _join(strategy, state)
             else:
                 resumed = not state.commit_number and _start(strategy, state, directory)
             regrowth = _Regrowth(strategy, state) if replace_lost else None
@@ -330,15 +331,13 @@ class _Regrowth:
 
 def _join(strategy, state):
     """In a replacement: builds the optimizers' slots, waits for the survivors'
-    next commit, and continues the strategy with them from it; False (nothing
-    was loaded from a directory)."""
+    next commit, and continues the strategy with them from it."""
     _build_optimizers(strategy, state._trackables)  # pylint: disable=protected-access
     if ulfm_launch():
         _end_without_finalize_once(strategy)
     merged, newest = replacement.join_survivors(state._specs())  # pylint: disable=protected-access
     strategy.extended._continue_on(merged)  # pylint: disable=protected-access
     state._load(newest)  # pylint: disable=protected-access
-    return False
 
 
 def _start(strategy, state, directory):

@@ -22,6 +22,7 @@ import traceback
 from mpi4py import MPI
 
 from mpi_strategy.errors import RanksLostError, TooFewRanksError
+from mpi_strategy.replacement import is_replacement
 
 _installed = threading.Lock()
 _state = {"hook": None, "aborting": False}
@@ -36,7 +37,7 @@ def abort_job_on_uncaught_exception(comm):
     """Installs (once per process) the excepthook that aborts the MPI job (also
     in a replacement of a lost rank, alone in its world until it joins: the
     survivors must learn of its death)."""
-    if comm.Get_size() == 1 and MPI.Comm.Get_parent() == MPI.COMM_NULL:
+    if comm.Get_size() == 1 and not is_replacement():
         return
     with _installed:
         if _state["hook"] is not None:
