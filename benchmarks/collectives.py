@@ -156,7 +156,7 @@ def measure_batch_reduce(strategy, strategy_float16, model, quick):
 
 def measure_check(quick):
     """The always-on agreement check before every collective, alone."""
-    from mpi_strategy.rendezvous import ALLREDUCE, Rendezvous
+    from mpi_strategy._src.core.rendezvous import ALLREDUCE, Rendezvous
     rendezvous = Rendezvous(COMM)
     shapes = [tuple(s) for s in models.gradient_shapes("mlp")]
     repeats = 200 if quick else 2000

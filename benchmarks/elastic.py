@@ -41,7 +41,7 @@ import tempfile
 
 from benchmarks import json_objects, load_average
 
-from tests.launch import OPEN_MPI_ENV, open_mpi_command, run_launcher
+from mpi_strategy._src.core.launch import OPEN_MPI_ENV, open_mpi_command, run_launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

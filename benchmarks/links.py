@@ -63,7 +63,7 @@ def measure_on_rank(model, batch, bytes_per_pack, rounds, steps, warmup):
 
     import mpi_strategy
     from benchmarks import models, train_step
-    from mpi_strategy.cross_device_ops import MPICrossDeviceOps
+    from mpi_strategy import MPICrossDeviceOps
 
     world = MPI.COMM_WORLD
     options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=bytes_per_pack)
@@ -88,7 +88,7 @@ def measure_on_rank(model, batch, bytes_per_pack, rounds, steps, warmup):
             world.Barrier()
             by_phase[name].append(run())
     sizes = [4 * int(tf.size(g)) for g in grads]
-    from mpi_strategy import fusion
+    from mpi_strategy._src.distribute import fusion
     return {"rank": world.Get_rank(), "ms": {k: sorted(v)[len(v) // 2] for k, v in by_phase.items()},
             "ms_per_round": by_phase, "gradient_bytes": sum(sizes),
             "buckets_bytes": [sum(sizes[i] for i in b) for b in fusion.buckets(sizes, bytes_per_pack)]}
@@ -109,7 +109,7 @@ def unavailable_reason():
     """Why the emulated links cannot be built here, or None."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     import netns_cluster
-    from launch import is_open_mpi
+    from mpi_strategy._src.core.launch import is_open_mpi
     reason = netns_cluster.unavailable_reason()
     if reason is None and is_open_mpi():
         reason = "the namespace launcher agent is written for MPICH's hydra mpiexec"
@@ -123,7 +123,7 @@ def run(quick=False, rate_mbit=RATE_MBIT, model=MODEL, batch=BATCH_PER_RANK,
     if reason:
         return {"skipped": f"--links needs root and network namespaces: {reason}"}
     import netns_cluster
-    from launch import mpiexec_command, mpiexec_env
+    from mpi_strategy._src.core.launch import mpiexec_command, mpiexec_env
     rounds, steps, warmup = QUICK if quick else (ROUNDS, STEPS, WARMUP)
     result = {"model": model, "batch_per_rank": batch, "rate_mbit": rate_mbit,
               "bytes_per_pack": bytes_per_pack, "ranks": 2, "rounds": rounds, "steps": steps,

@@ -4,27 +4,32 @@
     with strategy.scope():
         ...
 
-Launch with ``mpiexec -n N python train.py``. Data path: user step ->
-``strategy`` (replica semantics) -> ``cross_device_ops`` (what is reduced) ->
-``fusion`` (what travels together) -> ``mpi_ops`` (ordered, graph-safe MPI
-calls) -> ``rendezvous`` (the ranks agree on each collective) -> mpi4py.
+Launch with ``mpiexec -n N python train.py``. The public modules
+(``mpi_strategy``, ``.errors``, ``.compression``, ``.elastic``, ``.timeline``)
+are a thin face over ``mpi_strategy._src``, whose layers import only
+downward: ``core`` (framework-free MPI) <- the compat boundary
+(``_tf_internal``, ``_keras_internal``) <- ``distribute`` (the tf.distribute
+binding) <- ``features`` (saving, Keras, elastic) <- ``effects`` (the one
+installer of process-wide effects).
 """
 
-from mpi_strategy import logs
-
-logs.configure()
-
-from mpi_strategy.cluster_resolver import MPIClusterResolver  # noqa: E402
-from mpi_strategy.cross_device_ops import MPICrossDeviceOps  # noqa: E402
-from mpi_strategy.errors import (  # noqa: E402
+from mpi_strategy._src import effects as _effects
+from mpi_strategy._src.distribute.cluster_resolver import MPIClusterResolver
+from mpi_strategy._src.distribute.cross_device_ops import MPICrossDeviceOps
+from mpi_strategy._src.distribute.strategy import MPIStrategy
+from mpi_strategy._src.features.saving.calls import only_chief_writes  # (deprecated)
+from mpi_strategy import compression, elastic, errors, timeline
+from mpi_strategy.errors import (
     CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError, RanksLostError,
     TooFewRanksError)
-from mpi_strategy.saving import only_chief_writes  # noqa: E402,F401  (deprecated)
-from mpi_strategy.strategy import MPIStrategy  # noqa: E402
-from mpi_strategy import elastic  # noqa: E402,F401
+
+for _public in (MPIStrategy, MPICrossDeviceOps, MPIClusterResolver):
+    _public.__module__ = "mpi_strategy"  # what reprs, tracebacks and the docs name
+
+_effects.install()
 
 __version__ = "0.1.0"
 
 __all__ = ["MPIStrategy", "MPICrossDeviceOps", "MPIClusterResolver", "MPIStrategyError",
            "CollectiveMismatchError", "CollectiveTimeoutError", "RanksLostError", "TooFewRanksError",
-           "elastic"]
+           "compression", "elastic", "errors", "timeline", "only_chief_writes"]

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from mpi_testing import SIZE, WORLD
-from mpi_strategy.buffers import ALIGN_BYTES, BufferPool, aligned_empty, pack
+from mpi_strategy._src.core.buffers import ALIGN_BYTES, BufferPool, aligned_empty, pack
 
 BIG = 1 << 15  # float32 elements: 128 KiB, pooled
 
@@ -143,7 +143,7 @@ def test_tensorflow_results_are_not_overwritten_and_buffers_are_reused_in_steady
 
 @pytest.mark.skipif(SIZE == 1, reason="a 1-rank world does not call MPI")
 def test_allreduce_reuses_its_buffers_in_steady_state():
-    from mpi_strategy.mpi_ops import OrderedComm
+    from mpi_strategy._src.distribute.ops import OrderedComm
     mpi = OrderedComm(WORLD)
     summed = tf.function(lambda x: mpi.allreduce_sum_packed([x, 2 * x]))
     for step in range(10):

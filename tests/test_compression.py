@@ -8,7 +8,7 @@ from mpi_testing import (NUM_REPLICAS, RANK, SIZE, WORLD, assert_same_on_all_ran
                           local_devices)
 from mpi_strategy import MPICrossDeviceOps, MPIStrategy, compression
 from mpi_strategy.errors import MPIStrategyError
-from mpi_strategy.mpi_ops import OrderedComm
+from mpi_strategy._src.distribute.ops import OrderedComm
 
 WIRE = {"float16": np.float16, "bfloat16": tf.bfloat16.as_numpy_dtype}
 SHAPES = [(300, 70), (70, 80), (5000,)]  # each over MIN_BYTES (16 KiB) in float32

@@ -227,7 +227,7 @@ def _register_source(page):
 if __name__ != "__main__":
     import pytest
 
-    from launch import is_open_mpi, run_mpiexec
+    from mpi_strategy._src.core.launch import is_open_mpi, run_mpiexec
 
     pytestmark = pytest.mark.single_process  # launches processes; MPI-independent otherwise
 

@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import mpi_strategy
-from launch import OPEN_MPI_ENV, open_mpi_command, run_launcher
+from mpi_strategy._src.core.launch import OPEN_MPI_ENV, open_mpi_command, run_launcher
 from mpi_testing import SIZE, mpi_strategy_under_test
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +51,7 @@ def test_state_commits_and_restores_variables_slots_and_values():
     state = mpi_strategy.elastic.State(model, optimizer, step=0)
     # run() builds the optimizer's slots before the first commit, so a rollback
     # to it resets them (here by hand: no failure to recover from).
-    mpi_strategy.elastic._build_optimizers(strategy, (model, optimizer))
+    mpi_strategy._src.features.elastic.run._build_optimizers(strategy, (model, optimizer))
     state.commit()
     start = [v.numpy() for v in model.variables + optimizer.variables]
     for _ in range(3):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from launch import run_mpiexec
+from mpi_strategy._src.core.launch import run_mpiexec
 from mpi_testing import NUM_REPLICAS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

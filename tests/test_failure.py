@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from launch import run_mpiexec
+from mpi_strategy._src.core.launch import run_mpiexec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEADLINE = 30.0  # seconds from the first completed step to the end of the job

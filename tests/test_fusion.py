@@ -3,7 +3,7 @@
 import numpy as np
 import tensorflow as tf
 
-from mpi_strategy import fusion
+from mpi_strategy._src.distribute import fusion
 from mpi_testing import SIZE
 
 
@@ -86,12 +86,12 @@ def _summation_order_may_depend_on_message_size():
     the last bit at 3 ranks); MPICH's algorithms add (x0 + x1) + x2 at these
     sizes."""
     from mpi_testing import SIZE
-    from launch import is_open_mpi
+    from mpi_strategy._src.core.launch import is_open_mpi
     return SIZE > 2 and is_open_mpi()
 
 
 def test_bucketed_sums_are_bit_identical_to_one_fused_call_on_every_rank():
-    from mpi_strategy.cross_device_ops import MPICrossDeviceOps
+    from mpi_strategy import MPICrossDeviceOps
     from mpi_testing import RANK, SIZE, WORLD, all_ranks_agree, assert_same_on_all_ranks
 
     ops = MPICrossDeviceOps(WORLD)
@@ -124,7 +124,7 @@ def test_bucketed_sums_are_bit_identical_to_one_fused_call_on_every_rank():
 
 
 def test_bucketed_reduction_inside_a_function_matches_eager():
-    from mpi_strategy.cross_device_ops import MPICrossDeviceOps
+    from mpi_strategy import MPICrossDeviceOps
     from mpi_testing import RANK, WORLD
 
     ops = MPICrossDeviceOps(WORLD, tf.distribute.experimental.CommunicationOptions(

@@ -7,7 +7,7 @@ from mpi_testing import RANK, SIZE, local_devices, mpi_strategy_under_test
 
 import mpi_strategy
 
-from mpi_strategy.logs import logger
+from mpi_strategy._src.core.logs import logger
 
 
 def test_rank_0_logs_info_and_the_other_ranks_only_errors():
@@ -16,7 +16,7 @@ def test_rank_0_logs_info_and_the_other_ranks_only_errors():
 
 def test_options_the_strategy_ignores_are_named_once_on_rank_0():
     import tensorflow as tf
-    (handler,) = [h for h in logger.handlers if getattr(h, "_mpi_strategy", False)]
+    (handler,) = [h for h in logger.handlers if type(h).__name__ == "_RankTaggedHandler"]
     stream = io.StringIO()
     previous = handler.setStream(stream)
     options = tf.distribute.experimental.CommunicationOptions(
@@ -35,7 +35,7 @@ def test_options_the_strategy_ignores_are_named_once_on_rank_0():
 
 
 def test_lines_carry_the_rank_and_strategy_creation_is_logged_on_rank_0():
-    (handler,) = [h for h in logger.handlers if getattr(h, "_mpi_strategy", False)]
+    (handler,) = [h for h in logger.handlers if type(h).__name__ == "_RankTaggedHandler"]
     stream = io.StringIO()
     previous = handler.setStream(stream)
     try:

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from launch import run_mpiexec
+from mpi_strategy._src.core.launch import run_mpiexec
 
 
 @pytest.mark.single_process

@@ -8,9 +8,9 @@ import pytest
 import tensorflow as tf
 
 from mpi_testing import RANK, SIZE, WORLD, assert_same_on_all_ranks
-from mpi_strategy import rendezvous
+from mpi_strategy._src.core import rendezvous
 from mpi_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError
-from mpi_strategy.mpi_ops import OrderedComm
+from mpi_strategy._src.distribute.ops import OrderedComm
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_small_collectives_take_one_mpi_call_and_large_ones_two():
         pytest.skip("a 1-rank world does not call MPI")
     ordered = OrderedComm(WORLD)
     counting = CountingComm(WORLD)
-    ordered.comm = ordered.rendezvous._comm = counting
+    ordered.collectives.comm = ordered.rendezvous._comm = counting
     ordered.allreduce_sum(tf.ones([3]))
     ordered.broadcast(tf.ones([2, 2]))
     ordered.allgather(tf.ones([RANK + 1, 2]))
@@ -116,7 +116,7 @@ def test_allreduce_scalar_and_empty(mpi):
 
 
 def test_slots_are_aligned_and_packed_with_zero_padding():
-    from mpi_strategy.buffers import ALIGN_BYTES, BufferPool, pack
+    from mpi_strategy._src.core.buffers import ALIGN_BYTES, BufferPool, pack
     arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(300, dtype=np.float32),
               np.float32(7) * np.ones(()), np.zeros((0, 4), np.float32),
               np.arange(17, dtype=np.float32)]

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import netns_cluster
-from launch import is_open_mpi, run_mpiexec
+from mpi_strategy._src.core.launch import is_open_mpi, run_mpiexec
 
 pytestmark = pytest.mark.single_process
 

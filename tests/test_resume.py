@@ -36,7 +36,7 @@ import time
 import numpy as np
 import pytest
 
-from launch import is_open_mpi, run_mpiexec
+from mpi_strategy._src.core.launch import is_open_mpi, run_mpiexec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from launch import python_argv, run_mpiexec
+from mpi_strategy._src.core.launch import python_argv, run_mpiexec
 from mpi_testing import NUM_REPLICAS, RANK, SIZE, WORLD, assert_same_on_all_ranks
 
 import mpi_strategy

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from launch import run_mpiexec
+from mpi_strategy._src.core.launch import run_mpiexec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UMASKS = (0o022, 0o077)

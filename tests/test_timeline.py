@@ -1,4 +1,4 @@
-"""The opt-in timeline (mpi_strategy/timeline.py): every collective, per rank,
+"""The opt-in timeline (mpi_strategy/_src/core/timeline.py): every collective, per rank,
 split into waiting for the other ranks and transferring; off, nothing changes."""
 
 import os
@@ -10,7 +10,9 @@ import tensorflow as tf
 
 from mpi_testing import RANK, SIZE, WORLD
 from mpi_strategy import timeline
-from mpi_strategy.mpi_ops import OrderedComm
+from mpi_strategy._src.core import timeline as timeline_lib
+from mpi_strategy._src.core.collectives import Collectives
+from mpi_strategy._src.distribute.ops import OrderedComm
 
 
 def _collectives(mpi):
@@ -28,7 +30,7 @@ def test_every_collective_is_one_event_with_its_wait_and_transfer(monkeypatch, s
     if RANK == 0:
         time.sleep(0.3)  # the others wait for rank 0 in the next collective
     mpi.allreduce_sum(tf.ones([1000]))
-    timeline.current(RANK).close()
+    timeline_lib.current().close()
     WORLD.Barrier()  # every rank's file is complete (no collective after a failure)
     events = timeline.read_events(timeline.rank_path(path, RANK))
     spans = [e for e in events if e["ph"] == "X"]
@@ -61,7 +63,7 @@ def test_off_by_default_the_collectives_are_not_wrapped(monkeypatch):
     def timed(*args):
         raise AssertionError("a collective was wrapped for the timeline while it is off")
 
-    monkeypatch.setattr(OrderedComm, "_timed", timed)
+    monkeypatch.setattr(Collectives, "timed", timed)
     mpi = OrderedComm(WORLD)
     out = tf.function(lambda: _collectives(mpi))()
     np.testing.assert_array_equal(out[0].numpy(), np.full([1000], SIZE))

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from launch import run_mpiexec
+from mpi_strategy._src.core.launch import run_mpiexec
 
 METRIC_READ_ON_RANK_0_ONLY = r"""
 import sys, time

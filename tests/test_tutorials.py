@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 
-from launch import run_mpiexec
+from mpi_strategy._src.core.launch import run_mpiexec
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)

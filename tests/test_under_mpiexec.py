@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from launch import python_argv, run_mpiexec
+from mpi_strategy._src.core.launch import python_argv, run_mpiexec
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS_DIR)

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from mpi_testing import RANK, SIZE, WORLD
 from mpi_strategy.errors import MPIStrategyError
-from mpi_strategy.validation import check_same_on_all_ranks, resolve_comm
+from mpi_strategy._src.core.validation import check_same_on_all_ranks, resolve_comm
 
 
 def test_resolve_comm_defaults_to_world_and_rejects_others():
@@ -29,7 +29,7 @@ def test_check_same_on_all_ranks_raises_everywhere_on_disagreement():
 
 @pytest.mark.single_process
 def test_unequal_devices_per_rank_is_an_error_on_every_rank(tmp_path):
-    from launch import run_mpiexec
+    from mpi_strategy._src.core.launch import run_mpiexec
     script = tmp_path / "unequal.py"
     script.write_text(
         "import tensorflow as tf\n"

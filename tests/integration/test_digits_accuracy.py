@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from launch import run_mpiexec
+from mpi_strategy._src.core.launch import run_mpiexec
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "examples", "digits_cnn.py")

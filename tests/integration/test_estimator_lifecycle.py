@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from launch import run_mpiexec
+from mpi_strategy._src.core.launch import run_mpiexec
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "estimator_style.py")

@@ -9,19 +9,48 @@ MirroredStrategy keeps local (int32 values, reductions to the host, metrics),
 through ``MPICrossDeviceOps``.
 """
 
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import tensorflow as tf
 from mpi4py import MPI
 
-from mpi_strategy import _keras_internal, _tf_internal, logs, saving, write_point
-from mpi_strategy import compression as compression_lib
-from mpi_strategy.cluster_resolver import MPIClusterResolver
-from mpi_strategy.cross_device_ops import MPICrossDeviceOps
-from mpi_strategy.errors import MPIStrategyError
-from mpi_strategy.failure import abort_job_on_uncaught_exception
-from mpi_strategy.logs import logger
-from mpi_strategy.validation import check_same_on_all_ranks, mpi_library, resolve_comm
+from mpi_strategy._src import _tf_internal
+from mpi_strategy._src.core import failure, logs
+from mpi_strategy._src.core.errors import MPIStrategyError
+from mpi_strategy._src.core.logs import logger
+from mpi_strategy._src.core.validation import (
+    check_same_on_all_ranks, mpi_library, resolve_comm, spans_the_world)
+from mpi_strategy._src.distribute import compression as compression_lib
+from mpi_strategy._src.distribute.cluster_resolver import MPIClusterResolver
+from mpi_strategy._src.distribute.cross_device_ops import MPICrossDeviceOps
+from mpi_strategy._src.distribute.ops import OrderedComm
 
 ReduceOp = tf.distribute.ReduceOp
+# Run whenever an MPIStrategy is built or its scope entered: effects.py adds
+# its installer here (Keras imported meanwhile gets adapted), as the layer
+# below it cannot import it.
+_SCOPE_LISTENERS: list[Callable[[], None]] = []
+# The newest MPIStrategy over all of COMM_WORLD (or all its living ranks):
+# where writes that name no object meet, and where the program's end is
+# agreed on. Held strongly: whether a rank meets the others must never depend
+# on what its program still holds.
+_world: dict[str, MPIStrategy | None] = {"strategy": None}
+
+
+def on_scope(listener: Callable[[], None]) -> None:
+    """Calls ``listener()`` whenever an MPIStrategy is built or its scope entered."""
+    if listener not in _SCOPE_LISTENERS:
+        _SCOPE_LISTENERS.append(listener)
+
+
+def newest_over_the_world() -> MPIStrategy | None:
+    """The newest MPIStrategy over all of ``COMM_WORLD`` with several ranks (or
+    all its living ranks after ranks were lost), or None."""
+    return _world["strategy"]
 
 
 class MPIStrategy(tf.distribute.Strategy):
@@ -63,24 +92,25 @@ class MPIStrategy(tf.distribute.Strategy):
     # MirroredExtended reads this from its container strategy.
     _collective_key_base = 0
 
-    def __init__(self, comm=None, devices=None, communication_options=None,
-                 compression=None):
+    extended: MPIExtended
+
+    def __init__(self, comm: MPI.Intracomm | None = None, devices: Sequence[str] | None = None,
+                 communication_options: tf.distribute.experimental.CommunicationOptions
+                 | None = None,
+                 compression: str | compression_lib.CompressionPolicy | None = None) -> None:
         extended = MPIExtended(self, comm=comm, devices=devices,
                                communication_options=communication_options,
                                compression=compression)
         super().__init__(extended)
-        self._adapt_keras()
+        extended.announce()
 
-    def scope(self):
+    def scope(self) -> contextlib.AbstractContextManager[Any]:
         """As ``tf.distribute.Strategy.scope``; also adapts Keras imported since
         construction (predict rows from all ranks, rank-0-only output, saving)."""
-        self._adapt_keras()
+        _notify_scope_listeners()
         return super().scope()
 
-    def _adapt_keras(self):
-        _keras_internal.install_for_imported_kerases(MPIStrategy, self.extended.comm.Get_size() > 1)
-
-    def __repr__(self):
+    def __repr__(self) -> str:
         ext = self.extended
         return (f"MPIStrategy(rank={ext.rank}, size={ext.comm.Get_size()}, "
                 f"devices={list(ext.worker_devices)})")
@@ -89,8 +119,11 @@ class MPIStrategy(tf.distribute.Strategy):
 class MPIExtended(_tf_internal.MirroredExtended):
     """The MirroredStrategy machinery, made global across the ranks of ``comm``."""
 
-    def __init__(self, container_strategy, comm=None, devices=None,
-                 communication_options=None, compression=None):
+    def __init__(self, container_strategy: MPIStrategy, comm: MPI.Intracomm | None = None,
+                 devices: Sequence[str] | None = None,
+                 communication_options: tf.distribute.experimental.CommunicationOptions
+                 | None = None,
+                 compression: str | compression_lib.CompressionPolicy | None = None) -> None:
         # Checked before any MPI call or process-wide hook, alike on every rank.
         compression = compression_lib.resolve(compression)
         comm = resolve_comm(comm)
@@ -104,7 +137,6 @@ class MPIExtended(_tf_internal.MirroredExtended):
                 "tf.distribute.experimental.CommunicationOptions, got "
                 f"{type(communication_options).__name__}.")
         _warn_once_if_ignored(communication_options)
-        _install_multi_rank_hooks(comm)
         self._comm = comm
         self._rank = comm.Get_rank()
         self._num_ranks = comm.Get_size()
@@ -113,7 +145,6 @@ class MPIExtended(_tf_internal.MirroredExtended):
         super().__init__(container_strategy, devices=devices,
                          cross_device_ops=MPICrossDeviceOps(comm, communication_options,
                                                             compression))
-        write_point.register(self._cross_device_ops.ordered_comm)
         # MirroredExtended defaults these to NCCL / single-process values.
         self._communication_options = communication_options
         self.experimental_enable_get_next_as_optional = True
@@ -130,19 +161,34 @@ class MPIExtended(_tf_internal.MirroredExtended):
             if communication_options.timeout_seconds else "none",
             self._cross_device_ops.compression)
 
-    def _continue_on(self, comm):
-        """Makes this strategy span ``comm`` (the survivors after ranks died, see
-        ``elastic.py``) instead of its communicator: its variables, devices and
-        options stay; its rank, world size, replica ids and collectives change.
-        Collective over ``comm``. Functions traced before must be traced again."""
-        _install_multi_rank_hooks(comm)  # a replacement started on its own (replacement.py)
+    def announce(self) -> None:
+        """Once built: an uncaught exception now ends the job if this strategy
+        spans several ranks, it is where writes that name no object meet if it
+        spans the world, and process-wide effects adapt Keras imported so far."""
+        failure.arm(self._comm)
+        if self._num_ranks > 1 and spans_the_world(self._comm):
+            _world["strategy"] = self._container_strategy()
+        _notify_scope_listeners()
+
+    @property
+    def ordered_comm(self) -> OrderedComm:
+        """The ordered communicator every collective of this strategy runs on."""
+        return self._cross_device_ops.ordered_comm
+
+    def continue_on(self, comm: MPI.Intracomm) -> None:
+        """Makes this strategy span ``comm`` (the survivors after ranks died, or
+        survivors and replacements, see ``features/elastic``) instead of its
+        communicator: its variables, devices and options stay; its rank, world
+        size, replica ids and collectives change. Collective over ``comm``.
+        Functions traced before must be traced again."""
+        failure.arm(comm)  # (a replacement started alone in its own world)
         check_same_on_all_ranks(comm, len(self._devices), "number of devices per rank")
         self._comm = comm
         self._rank = comm.Get_rank()
         self._num_ranks = comm.Get_size()
         self._cross_device_ops = MPICrossDeviceOps(
             comm, self._communication_options, self._cross_device_ops.policy)
-        write_point.register(self._cross_device_ops.ordered_comm, survivors=True)
+        _world["strategy"] = self._container_strategy()  # all the living ranks
         self._cluster_resolver = MPIClusterResolver(
             comm, {_device_type(self._devices[0]): len(self._devices)})
         self._task_id = self._rank
@@ -158,12 +204,12 @@ class MPIExtended(_tf_internal.MirroredExtended):
 
     # -- identity of this rank ---------------------------------------------------
     @property
-    def comm(self):
+    def comm(self) -> MPI.Intracomm:
         """The mpi4py communicator of this strategy."""
         return self._comm
 
     @property
-    def rank(self):
+    def rank(self) -> int:
         return self._rank
 
     @property
@@ -181,15 +227,15 @@ class MPIExtended(_tf_internal.MirroredExtended):
         return self._num_ranks > 1
 
     @property
-    def experimental_between_graph(self):
+    def experimental_between_graph(self) -> bool:
         return True
 
     @property
-    def should_checkpoint(self):
+    def should_checkpoint(self) -> bool:
         return self._rank == 0
 
     @property
-    def should_save_summary(self):
+    def should_save_summary(self) -> bool:
         return self._rank == 0
 
     # -- communication: always MPI ---------------------------------------------
@@ -277,7 +323,8 @@ class MPIExtended(_tf_internal.MirroredExtended):
         return initial_value_of_rank_0
 
     # -- input: each rank reads its own shard -------------------------------------
-    def _make_input_context(self):
+    def input_context(self) -> tf.distribute.InputContext:
+        """This rank's input pipeline: one per rank, numbered by rank."""
         return tf.distribute.InputContext(
             num_input_pipelines=self._num_ranks,
             input_pipeline_id=self._rank,
@@ -290,7 +337,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
             self._input_workers_with_options(options),
             self._container_strategy(),
             num_replicas_in_sync=self._num_replicas_in_sync,
-            input_context=self._make_input_context(),
+            input_context=self.input_context(),
             options=options)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
@@ -298,7 +345,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         return _tf_internal.get_distributed_datasets_from_function(
             dataset_fn,
             self._input_workers_with_options(options),
-            [self._make_input_context()],
+            [self.input_context()],
             self._container_strategy(),
             options=options)
 
@@ -311,16 +358,12 @@ class MPIExtended(_tf_internal.MirroredExtended):
         return _tf_internal.regroup(values, always_wrap=True)
 
 
-def _install_multi_rank_hooks(comm):
-    """Process-wide, once ``comm`` spans several ranks (idempotent): uncaught
-    errors end the job, and saving calls become write points."""
-    abort_job_on_uncaught_exception(comm)
-    if comm.Get_size() > 1:
-        saving.install(_tf_internal.WRITE_CALLS)
-        saving.install_synchronous_checkpoints(_tf_internal.ASYNC_CHECKPOINT_CALLS)
+def _notify_scope_listeners() -> None:
+    for listener in _SCOPE_LISTENERS:
+        listener()
 
 
-def default_devices(comm):
+def default_devices(comm: MPI.Intracomm) -> list[str]:
     """This rank's devices: its share of the node's GPUs, else the CPU.
 
     With one rank per node that is every GPU (as MirroredStrategy); with
@@ -341,10 +384,10 @@ def default_devices(comm):
     return gpus[start:start + per_rank]
 
 
-_warned_ignored = []
+_warned_ignored: list[bool] = []
 
 
-def _warn_once_if_ignored(options):
+def _warn_once_if_ignored(options: tf.distribute.experimental.CommunicationOptions) -> None:
     """Says (once per process) which options that MPIStrategy ignores were set."""
     ignored = []
     if options.implementation != tf.distribute.experimental.CommunicationImplementation.AUTO:
@@ -356,11 +399,11 @@ def _warn_once_if_ignored(options):
             "through MPI, one fused collective per dtype.", ", ".join(ignored))
 
 
-def _device_type(device):
+def _device_type(device: str) -> str:
     return tf.DeviceSpec.from_string(device).device_type or "CPU"
 
 
-def _reject_per_replica_mode(options):
+def _reject_per_replica_mode(options: tf.distribute.InputOptions | None) -> None:
     if (options is not None and options.experimental_replication_mode
             == tf.distribute.InputReplicationMode.PER_REPLICA):
         raise NotImplementedError(

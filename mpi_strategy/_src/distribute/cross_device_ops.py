@@ -6,17 +6,21 @@ locally, then once across ranks through the ordered MPI ops, then copied to
 the requested destination devices. Every rank gets the same result.
 """
 
+from __future__ import annotations
+
 import functools
 import zlib
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from mpi4py import MPI
 
-from mpi_strategy import _tf_internal
-from mpi_strategy import compression as compression_lib
-from mpi_strategy import fusion
-from mpi_strategy.validation import check_same_on_all_ranks, resolve_comm
-from mpi_strategy.mpi_ops import OrderedComm
+from mpi_strategy._src import _tf_internal
+from mpi_strategy._src.core.validation import check_same_on_all_ranks, resolve_comm
+from mpi_strategy._src.distribute import compression as compression_lib
+from mpi_strategy._src.distribute import fusion
+from mpi_strategy._src.distribute.ops import OrderedComm
 
 ReduceOp = tf.distribute.ReduceOp
 
@@ -44,7 +48,9 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         in ``mpi_strategy.compression``; checked here). The same on every rank.
     """
 
-    def __init__(self, comm=None, options=None, compression=None):
+    def __init__(self, comm: MPI.Intracomm | None = None,
+                 options: tf.distribute.experimental.CommunicationOptions | None = None,
+                 compression: str | compression_lib.CompressionPolicy | None = None) -> None:
         super().__init__()
         self._options = options or tf.distribute.experimental.CommunicationOptions()
         # Before any MPI call: a bad policy raises on every rank, none waits.
@@ -55,12 +61,12 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         self._mpi = OrderedComm(comm, name_missing_ranks=self._options.timeout_seconds is not None)
 
     @property
-    def policy(self):
+    def policy(self) -> compression_lib.CompressionPolicy:
         """The compression policy object (see ``mpi_strategy.compression``)."""
         return self._compression
 
     @property
-    def compression(self):
+    def compression(self) -> str:
         """How large float sums travel: "none", "float16", "bfloat16" or a policy's name."""
         return self._compression.name
 
@@ -68,13 +74,13 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         return self._options.merge(options).timeout_seconds
 
     @property
-    def comm(self):
+    def comm(self) -> MPI.Intracomm:
         """The mpi4py communicator the collectives run on."""
         return self._mpi.comm
 
     @property
-    def ordered_comm(self):
-        """The ``mpi_ops.OrderedComm`` that issues the collectives."""
+    def ordered_comm(self) -> OrderedComm:
+        """The ``OrderedComm`` that issues the collectives."""
         return self._mpi
 
     @property
@@ -99,7 +105,9 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
             for r, (_, destinations) in zip(reduced, value_destination_pairs)
         ]
 
-    def all_reduce_values(self, reduce_op, values, timeout=None, bytes_per_pack=None):
+    def all_reduce_values(self, reduce_op: tf.distribute.ReduceOp | str, values: list[Any],
+                          timeout: float | None = None,
+                          bytes_per_pack: int | None = None) -> list[Any]:
         """Reduces each of ``values`` over all replicas of all ranks.
 
         Returns one tensor (or ``IndexedSlices``) per value, on the host, the
@@ -217,7 +225,7 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         gathered = self.all_gather_values(per_replica_value, axis, self._timeout(options))
         return _tf_internal.simple_broadcast(gathered, destinations)
 
-    def all_gather_values(self, value, axis, timeout=None):
+    def all_gather_values(self, value: Any, axis: int, timeout: float | None = None) -> tf.Tensor:
         """Concatenation along ``axis`` of every replica's value, in replica order."""
         local = tf.concat(_local_values(value), axis=axis)
         rank = local.shape.rank
@@ -246,7 +254,7 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
                                         timeout=self._options.timeout_seconds)
         return _tf_internal.simple_broadcast(value, destinations, always_mirrored=True)
 
-    def broadcast_from_root(self, tensor):
+    def broadcast_from_root(self, tensor: tf.Tensor) -> tf.Tensor:
         """``tensor`` as rank 0 has it, on every rank (used for initial values)."""
         return self._mpi.broadcast(tensor, timeout=self._options.timeout_seconds)
 

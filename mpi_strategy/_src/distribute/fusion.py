@@ -23,17 +23,23 @@ the unbucketed one in the last bit (every rank still gets the same bits;
 ``tests/test_fusion.py`` checks both).
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
 import tensorflow as tf
 
 # Dtypes that are summed in a wider dtype, and the one they are summed in.
 _WIRE_DTYPE = {tf.float16: tf.float32, tf.bfloat16: tf.float32}
 
 
-def wire_dtype(dtype):
+def wire_dtype(dtype: tf.DType) -> tf.DType:
     return _WIRE_DTYPE.get(dtype, dtype)
 
 
-def fused_allreduce(tensors, allreduce_packed, bytes_per_pack=0):
+def fused_allreduce(tensors: Sequence[tf.Tensor],
+                    allreduce_packed: Callable[[list[tf.Tensor]], list[tf.Tensor]],
+                    bytes_per_pack: int | None = 0) -> list[tf.Tensor]:
     """Sums each tensor across ranks with one ``allreduce_packed`` call per wire
     dtype, or per bucket of about ``bytes_per_pack`` bytes.
 
@@ -48,11 +54,11 @@ def fused_allreduce(tensors, allreduce_packed, bytes_per_pack=0):
       A list of tensors matching ``tensors`` in order, shape and dtype; on
       every rank the same values, whatever ``bytes_per_pack`` is.
     """
-    groups = {}  # wire dtype -> indices; dict keeps first-appearance order,
+    groups: dict[tf.DType, list[int]] = {}  # wire dtype -> indices; dict keeps first-appearance order,
     for i, t in enumerate(tensors):  # which is the same on every rank.
         groups.setdefault(wire_dtype(t.dtype), []).append(i)
 
-    results = [None] * len(tensors)
+    results: list[tf.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
     for dtype, indices in groups.items():
         sizes = [_nbytes(tensors[i], dtype) for i in indices]
         for bucket in buckets(sizes, bytes_per_pack):
@@ -65,7 +71,7 @@ def fused_allreduce(tensors, allreduce_packed, bytes_per_pack=0):
     return results
 
 
-def buckets(sizes, bytes_per_pack):
+def buckets(sizes: Sequence[int | None], bytes_per_pack: int | None) -> list[list[int]]:
     """The order and grouping of one dtype's allreduce calls: lists of positions.
 
     ``sizes``: each tensor's bytes (None if unknown before run time).
@@ -90,7 +96,7 @@ def buckets(sizes, bytes_per_pack):
     return result
 
 
-def _nbytes(tensor, dtype):
+def _nbytes(tensor: tf.Tensor, dtype: tf.DType) -> int | None:
     """Bytes of ``tensor`` on the wire as ``dtype``, or None if its shape is unknown."""
     elements = tensor.shape.num_elements()
     return None if elements is None else elements * dtype.size

@@ -1,6 +1,9 @@
 """MPIClusterResolver: the MPI world described as TensorFlow's cluster resolver."""
 
+from __future__ import annotations
+
 import socket
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -22,7 +25,7 @@ class MPIClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
     ``{}`` for ranks that compute on the CPU.
     """
 
-    def __init__(self, comm, num_local_devices=None):
+    def __init__(self, comm: MPI.Intracomm, num_local_devices: dict[str, int] | None = None) -> None:
         """``num_local_devices``: this rank's devices by type, e.g. ``{"GPU": 2}``
         (CPUs may be listed; they are not accelerators)."""
         self._comm = comm
@@ -31,36 +34,37 @@ class MPIClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
         self._hosts = _gather_host_names(comm)
 
     @property
-    def task_type(self):
+    def task_type(self) -> str:  # type: ignore[override]
         return "worker"
 
     @property
-    def task_id(self):
+    def task_id(self) -> int:  # type: ignore[override]
         return self._comm.Get_rank()
 
     @property
-    def num_workers(self):
+    def num_workers(self) -> int:
         return self._comm.Get_size()
 
     @property
-    def environment(self):
+    def environment(self) -> str:
         return "mpi"
 
-    def cluster_spec(self):
+    def cluster_spec(self) -> tf.train.ClusterSpec:
         return tf.train.ClusterSpec({"worker": list(self._hosts)})
 
-    def master(self, task_type=None, task_id=None, rpc_layer=None):
+    def master(self, task_type: Any = None, task_id: Any = None, rpc_layer: Any = None) -> str:
         del task_type, task_id, rpc_layer
         return ""  # no TF server: there is nothing to connect to
 
-    def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
+    def num_accelerators(self, task_type: Any = None, task_id: Any = None,
+                         config_proto: Any = None) -> dict[str, int]:
         # Every rank drives the same number of devices (MPIStrategy checks),
         # so this rank's count holds for every task.
         del task_type, task_id, config_proto
         return dict(self._num_accelerators)
 
 
-def _gather_host_names(comm):
+def _gather_host_names(comm: MPI.Intracomm) -> list[str]:
     # Fixed-size byte buffers rather than pickles: nothing received is unpickled.
     mine = np.zeros(_HOST_BYTES, np.uint8)
     name = (MPI.Get_processor_name() or socket.gethostname()).encode()[:_HOST_BYTES]

@@ -19,6 +19,8 @@ living survivor sends: JOIN, or LEAVE when ranks are lost again or the program
 ends before it joined; and a join that does not complete ends it.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import signal
@@ -26,11 +28,15 @@ import sys
 import threading
 import time
 
+from typing import Any
+
 import numpy as np
 from mpi4py import MPI
 
-from mpi_strategy.errors import MPIStrategyError
-from mpi_strategy.logs import logger
+from mpi_strategy._src.core import ulfm
+from mpi_strategy._src.core.errors import MPIStrategyError
+from mpi_strategy._src.core.logs import logger
+from mpi_strategy._src.core.wire import word as _word
 
 _READY, _DECISION = 7301, 7302  # tags: replacements -> survivors' rank 0, and back
 WAIT, JOIN, GIVE_UP = 1, 2, 4  # decide()'s answers (bits: agreed with ULFM's Agree)
@@ -58,15 +64,10 @@ os.chdir(sys.argv[2])
 signal.alarm(int(sys.argv[4]))
 os.execv(sys.executable, [sys.executable] + json.loads(sys.argv[3]))
 """
-_pending_sends = []  # requests of messages never waited for: alive until the process ends
+_pending_sends: list[MPI.Request] = []  # requests of messages never waited for: alive until the process ends
 
 
-def is_replacement():
-    """True in a process that ``replace_lost`` started to replace a lost rank."""
-    return MPI.Comm.Get_parent() != MPI.COMM_NULL
-
-
-def check_can_replace():
+def check_can_replace() -> None:
     """Raises (on every rank: nothing here communicates) unless replacements can
     be started for this process."""
     if _LAUNCH["program"] in ("", "-", "-c") or len(_LAUNCH["argv"]) < 2:
@@ -88,7 +89,7 @@ class Spawning:
     ``MPI_Intercomm_create`` was tried: collectives on the result hung in Open
     MPI 5.0.)"""
 
-    def __init__(self, comm, count):
+    def __init__(self, comm: MPI.Intracomm, count: int) -> None:
         self.count = count
         self.started_at = time.time()
         self.spawned_at = None
@@ -100,7 +101,7 @@ class Spawning:
                                         name="mpi_strategy-spawn")
         self._thread.start()
 
-    def _spawn(self):
+    def _spawn(self) -> None:
         args = None
         if self._rank == 0:
             args = ["-c", _BOOT, json.dumps(dict(os.environ)), _LAUNCH["cwd"],
@@ -116,7 +117,7 @@ class Spawning:
         while self._rank == 0 and self._intercomm and not self._settled.wait(HEARTBEAT_S):
             _send(self._intercomm, _HEARTBEAT)
 
-    def decide(self):
+    def decide(self) -> int:
         """At a commit, on every survivor, the same answer: ``JOIN`` once every
         replacement is ready, ``GIVE_UP`` if they could not be started (or one
         died), else ``WAIT``. Raises ``MPI.Exception`` if a survivor died."""
@@ -142,7 +143,8 @@ class Spawning:
                            self._error.Get_error_string() if self._error else "see rank 0")
         return decision
 
-    def join(self, newest):
+    def join(self, newest: tuple[int, dict[str, Any], list[np.ndarray]]
+             ) -> MPI.Intracomm | None:
         """Every survivor: merges with the ready replacements and sends them
         ``newest`` (rank 0's commit); returns the merged communicator (survivors
         first), or None if a replacement built a state of other shapes. Raises
@@ -169,7 +171,7 @@ class Spawning:
                 self._revoke(self._intercomm)
             raise
 
-    def dismiss(self, wait_s=0.0):
+    def dismiss(self, wait_s: float = 0.0) -> bool:
         """The replacements will not join (ranks were lost again, or the program
         ends): every survivor whose spawn returned tells them to leave (the first
         message counts). False while the spawn has not returned here, within
@@ -187,33 +189,28 @@ class Spawning:
         return True
 
     @staticmethod
-    def _revoke(comm):
-        try:
-            comm.Revoke()
-        except MPI.Exception:
-            pass
+    def _revoke(comm: MPI.Comm) -> None:
+        ulfm.revoke(comm)
 
 
-def _word(value=0):
-    """A message of one int64: raw buffers only, nothing is unpickled (docs/security.md)."""
-    return np.array([value], np.int64)
-
-
-def _send(intercomm, message):
+def _send(intercomm: MPI.Intercomm, message: int) -> None:
     """To the replacements' rank 0; never waited for (see ``flush_sends``)."""
     try:
         _pending_sends.append(intercomm.Isend(_word(message), dest=0, tag=_DECISION))
-    except MPI.Exception:
-        pass  # gone already, or revoked by a failed join
+    except MPI.Exception as error:
+        if not ulfm.is_process_failure(error):
+            raise
+        # gone already, or revoked by a failed join: nobody is left to tell
 
 
-def _layout(specs):
+def _layout(specs: Any) -> list[list[Any]]:
     """[[shape, dtype name, bytes]] of (shape, numpy dtype) pairs."""
     return [[list(shape), np.dtype(dtype).name, int(np.prod(shape)) * np.dtype(dtype).itemsize]
             for shape, dtype in specs]
 
 
-def _send_commit(intercomm, root, number, values, arrays):
+def _send_commit(intercomm: MPI.Intercomm, root: int, number: int, values: dict[str, Any],
+                 arrays: list[np.ndarray]) -> None:
     """Rank 0 of the survivors to every replacement: a JSON header (commit
     number, the state's values, the arrays' layout), then each array's bytes."""
     header = np.frombuffer(json.dumps({"number": number, "values": values, "layout": _layout(
@@ -224,7 +221,8 @@ def _send_commit(intercomm, root, number, values, arrays):
         intercomm.Bcast(np.ascontiguousarray(array).view(np.uint8).reshape(-1), root=root)
 
 
-def _receive_commit(intercomm, specs):
+def _receive_commit(intercomm: MPI.Intercomm, specs: list[tuple[tuple[int, ...], Any]]
+                    ) -> tuple[int, dict[str, Any], list[np.ndarray]] | None:
     """The commit ``_send_commit`` sends, as (number, values, arrays of ``specs``,
     (shape, dtype) pairs) or None (after receiving it all) if its layout differs."""
     size = _word()
@@ -245,7 +243,7 @@ def _receive_commit(intercomm, specs):
         a.view(dtype).reshape(shape) for a, (shape, dtype) in zip(arrays, specs)]
 
 
-def flush_sends(timeout_s):
+def flush_sends(timeout_s: float) -> None:
     """Waits (at most ``timeout_s``) for the messages sent to replacements to
     leave this process: before it exits without MPI_Finalize."""
     deadline = time.monotonic() + timeout_s
@@ -254,12 +252,15 @@ def flush_sends(timeout_s):
             if not _pending_sends[0].Test():
                 time.sleep(0.01)
                 continue
-        except MPI.Exception:
-            pass
+        except MPI.Exception as error:
+            if not ulfm.is_process_failure(error):
+                raise
+            # its receiver died: the message is not needed any more
         _pending_sends.pop(0)
 
 
-def join_survivors(specs):
+def join_survivors(specs: list[tuple[tuple[int, ...], Any]]
+                   ) -> tuple[MPI.Intracomm, tuple[int, dict[str, Any], list[np.ndarray]]]:
     """In a replacement, at ``elastic.run``: tells the survivors it is ready and
     waits for their decision at their next commit. Told to join, receives the
     commit (its arrays must have the (shape, dtype) ``specs`` of this state)
@@ -301,7 +302,7 @@ def join_survivors(specs):
     return merged, newest
 
 
-def _wait_for_decision(parent):
+def _wait_for_decision(parent: MPI.Intercomm) -> int:
     """JOIN or LEAVE from a survivor; SILENT after ``SILENCE_S`` without even a
     heartbeat (rank 0 died: Open MPI would not say so). Polls gently: the
     survivors may share the cores."""
@@ -318,7 +319,7 @@ def _wait_for_decision(parent):
     return _SILENT
 
 
-def _join_timed_out():
+def _join_timed_out() -> None:
     logger.error("mpi_strategy.elastic: this replacement was told to join but the join did "
                  "not complete in %d s (a survivor died meanwhile?); it ends.", JOIN_TIMEOUT_S)
     sys.stderr.flush()

@@ -21,24 +21,74 @@ raises an error naming the collective, its shape and the ranks that never
 arrived, with the last collective each of them entered.
 """
 
+from __future__ import annotations
+
 import functools
 import math
 import time
 import weakref
 import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from mpi_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError
+from mpi_strategy._src.core.errors import MPIStrategyError
 
-ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL = 1, 2, 3, 4
-# Not data collectives: the meetings of ``write_point.py`` (a save called on
-# every rank; the end of that save) and of the end of the program.
-WRITE, WRITE_DONE, FINALIZE = 5, 6, 7
-_KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "all_gather", BROADCAST: "broadcast",
-               ALLTOALL: "alltoall", WRITE: "a save", WRITE_DONE: "the end of a save",
-               FINALIZE: "the end of the program"}
+Shape = Sequence[int]
+ErrorClass = Callable[[str], Exception]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a collective or a meeting is, for the agreement and its messages.
+
+    ``advice``: what to do when the ranks all entered this kind but disagree.
+    ``meeting``: no data (a meeting of the ranks, e.g. around a save);
+    described by its name alone. ``partial``: some ranks may enter it without
+    the others (``agree`` returns None there: they go on alone, see
+    ``Rendezvous.agree``); ``solo_label`` and ``solo_advice`` then describe a
+    collective such a rank makes meanwhile. ``blame``: the advice when a rank
+    in this kind meets ranks in another (it names the likely cause).
+    """
+    code: int
+    name: str
+    advice: str = ""
+    meeting: bool = False
+    partial: bool = False
+    solo_label: str = ""
+    solo_advice: str = ""
+    blame: str = ""
+
+
+_KINDS: dict[int, Kind] = {}
+
+
+def register_kind(kind: Kind) -> Kind:
+    """Makes ``kind`` known to every Rendezvous (at import, alike on every rank)."""
+    if _KINDS.get(kind.code, kind) != kind:
+        raise ValueError(f"rendezvous kind code {kind.code} is taken by {_KINDS[kind.code]}")
+    _KINDS[kind.code] = kind
+    return kind
+
+ALLREDUCE = register_kind(Kind(1, "allreduce", (
+    "Element-wise reductions need tensors of one shape and dtype on every rank; "
+    "per-replica batches of different sizes can only be reduced along an axis "
+    "(strategy.reduce(..., axis=0)) or gathered.")))
+ALLGATHER = register_kind(Kind(2, "all_gather", (
+    "Every rank must gather the same tensors, each of one dtype and with "
+    "shapes that agree except along the gather axis.")))
+BROADCAST = register_kind(Kind(3, "broadcast", (
+    "All ranks must create the same variables, in the same order, with the "
+    "same shapes and dtypes (build the model identically on every rank).")))
+ALLTOALL = register_kind(Kind(4, "alltoall", (
+    "A compressed reduction (compression=...) needs the same tensors on every "
+    "rank; the ranks are reducing different gradients (build the model "
+    "identically on every rank) or use different compression settings.")))
+# (5 and 6: a save and its end, features/saving/write_point.py)
+FINALIZE = register_kind(Kind(7, "the end of the program", meeting=True))
 
 _DTYPES = [np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64, np.float16,
                                  np.bool_, np.uint8, np.int8, np.int16, np.uint16,
@@ -47,18 +97,19 @@ _DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
 
 # Signature fields: collective number; kind, dtype, elements (per row for
 # all_gather), number of tensors, a hash of their shapes and dtypes (and of a
-# save's path), whether this rank is inside a save that only some ranks called,
+# tag such as a save's path), the partial meeting (its kind's code) this rank
+# is in without the others (0: none),
 # how far the communicator's ordering token moved since the previous
 # collective (1, plus a hash of the constants that ranks assumed equal instead
 # of sending them: ``OrderedComm.check_same_constants``) (these must agree); rows and bytes sent (all_gather only, may differ).
-_SEQ, _KIND, _DTYPE, _COUNT, _TENSORS, _LAYOUT, _ALONE, _TOKEN, _ROWS, _BYTES = range(10)
+_SEQ, _KIND, _DTYPE, _COUNT, _TENSORS, _LAYOUT, _SOLO, _TOKEN, _ROWS, _BYTES = range(10)
 _MUST_AGREE = slice(_KIND, _TOKEN + 1)
 _SIGNATURE_BYTES = 8 * (_BYTES + 1)
 
 _ANNOUNCE_TAG = 7
 
 
-def record_bytes(size):
+def record_bytes(size: int) -> int:
     """Bytes each rank sends in the agreement Allgather, on a communicator of ``size``.
 
     512 up to 32 ranks; less on larger communicators so that the Allgather
@@ -67,33 +118,36 @@ def record_bytes(size):
     return max(128, min(512, 16384 // max(size, 1) // 8 * 8))
 
 
-def _dtype_code(dtype):
+def _dtype_code(dtype: Any) -> int:
     dtype = np.dtype(dtype)
     return _DTYPE_CODES.get(dtype, 1000 + dtype.num)
 
 
-def _dtype_name(code):
+def _dtype_name(code: int) -> str:
     return _DTYPES[code].name if code < len(_DTYPES) else f"dtype#{code - 1000}"
 
 
-def signature(seq, kind, dtype, shapes, rows=0, nbytes=0, tag="", alone=False, token_step=0):
+def signature(seq: int, kind: Kind, dtype: Any, shapes: Sequence[Shape], rows: int = 0,
+              nbytes: int = 0, tag: str = "", solo: Kind | None = None,
+              token_step: int = 0) -> np.ndarray:
     """The fixed-size description of a collective that every rank compares.
 
     ``shapes``: the shapes that must agree (of each tensor packed into an
     allreduce; of a broadcast tensor; of a row of each all_gathered tensor).
     ``dtype``: one dtype, or one per shape (all_gather of several tensors).
     ``tag``: text that must agree too (which save, of which path).
-    ``alone``: this rank is inside a save that the other ranks did not call.
+    ``solo``: the partial meeting this rank is in without the other ranks.
     ``token_step``: how far the ordering token moved since the previous collective.
     """
     dtypes = tuple(dtype) if isinstance(dtype, (list, tuple)) else (dtype,)
     code, count, layout = _layout(tuple(tuple(shape) for shape in shapes), dtypes, tag)
-    return np.array([seq, kind, code, count, len(shapes), layout, int(alone), token_step,
-                     rows, nbytes], np.int64)
+    return np.array([seq, kind.code, code, count, len(shapes), layout,
+                     solo.code if solo else 0, token_step, rows, nbytes], np.int64)
 
 
 @functools.lru_cache(maxsize=4096)
-def _layout(shapes, dtypes, tag):
+def _layout(shapes: tuple[tuple[int, ...], ...], dtypes: tuple[Any, ...],
+            tag: str) -> tuple[int, int, int]:
     """(first dtype's code, elements, hash of shapes, dtypes and tag): the same few
     collectives recur every step, so each is worked out once."""
     shapes = [tuple(int(d) for d in shape) for shape in shapes]
@@ -102,14 +156,19 @@ def _layout(shapes, dtypes, tag):
     return codes[0], count, zlib.crc32(repr((shapes, codes, tag)).encode()) & 0x7FFFFFFF
 
 
-def describe(signature):
+def _kind(code: int) -> Kind:
+    return _KINDS.get(int(code), Kind(int(code), f"collective kind {int(code)}"))
+
+
+def describe(signature: np.ndarray) -> str:
     """What a signature means, in words (e.g. "allreduce of 10 float32 elements")."""
-    kind, dtype = _KIND_NAMES.get(int(signature[_KIND]), "?"), _dtype_name(int(signature[_DTYPE]))
-    if signature[_KIND] in (WRITE, WRITE_DONE, FINALIZE):
+    of = _kind(signature[_KIND])
+    kind, dtype = of.name, _dtype_name(int(signature[_DTYPE]))
+    if of.meeting:
         return kind
-    if signature[_ALONE]:
-        kind = "(saving alone) " + kind
-    if signature[_KIND] == ALLGATHER:
+    if signature[_SOLO]:
+        kind = f"({_kind(signature[_SOLO]).solo_label}) " + kind
+    if of == ALLGATHER:
         if signature[_TENSORS] != 1:
             return (f"all_gather of {signature[_TENSORS]} tensors ({signature[_ROWS]} rows, "
                     f"{signature[_COUNT]} elements per row in all)")
@@ -119,47 +178,31 @@ def describe(signature):
     return f"{kind} of {signature[_COUNT]} {dtype} elements{packed}"
 
 
-_ADVICE = {
-    ALLREDUCE: ("Element-wise reductions need tensors of one shape and dtype on every rank; "
-                "per-replica batches of different sizes can only be reduced along an axis "
-                "(strategy.reduce(..., axis=0)) or gathered."),
-    ALLGATHER: ("Every rank must gather the same tensors, each of one dtype and with "
-                "shapes that agree except along the gather axis."),
-    BROADCAST: ("All ranks must create the same variables, in the same order, with the "
-                "same shapes and dtypes (build the model identically on every rank)."),
-    ALLTOALL: ("A compressed reduction (compression=...) needs the same tensors on every "
-               "rank; the ranks are reducing different gradients (build the model "
-               "identically on every rank) or use different compression settings."),
-}
 _ORDER_ADVICE = (
     "The ranks are running different collectives: every rank must run the same steps, "
     "in the same order. Common causes: reading a metric or calling strategy.reduce / "
     "gather on some ranks only (e.g. under `if rank == 0`), or ranks that build "
     "different models or take different branches in Python.")
-_SAVE_FAILED_ADVICE = (
-    "A rank left a save before the others (at the end of a save): the save failed "
-    "there (see that rank's own error), and its files are not complete.")
 _CONSTANT_ADVICE = (
     "The ranks agree on this collective but assigned different constants before it "
     "(since the previous collective of this communicator) to a variable whose "
     "aggregation is ONLY_FIRST_REPLICA, such as optimizer.iterations. Such a constant "
     "is not sent (a one-process program has one value for it): compute it the same "
     "way on every rank, or assign a tensor (which rank 0 then sends to every rank).")
-_ALONE_ADVICE = (
-    "A rank is saving alone (the other ranks did not make the same save call) and "
-    "the save reads a value that is summed over all ranks (a metric, or another "
-    "sync-on-read variable), which needs every rank. Make the save call on every "
-    "rank, as a one-process program does (mpi_strategy writes the files once), or "
-    "save only objects without metrics.")
 
 
 class Rendezvous:
     """Signature agreement (and, optionally, a timeout) for one communicator."""
 
-    def __init__(self, comm, name_missing_ranks=False):
+    def __init__(self, comm: MPI.Intracomm, name_missing_ranks: bool = False,
+                 mismatch_error: ErrorClass = MPIStrategyError,
+                 timeout_error: ErrorClass = MPIStrategyError) -> None:
         """``name_missing_ranks``: announce every collective to the other ranks
         on a duplicate of ``comm`` (created here, so collectively), so that a
-        timeout can say which ranks never arrived."""
+        timeout can say which ranks never arrived. ``mismatch_error`` and
+        ``timeout_error``: the exception classes raised (with the message) when
+        the ranks disagree and when a timeout expires (the binding gives ones
+        that are also ``tf.errors`` classes)."""
         self._comm = comm
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         self._seq = 0
@@ -167,25 +210,29 @@ class Rendezvous:
         if self._announce_comm is not None:  # freed with this object (not at exit)
             weakref.finalize(self, self._announce_comm.Free).atexit = False
         self._last_seen = np.zeros(self._size, np.int64)  # last collective each rank entered
-        self._sends = []
-        self.saving_alone = False  # set by write_point.py around a save only this rank made
-        self.alone_with = []       # after a WRITE some ranks missed: the ranks in the same one
+        self._sends: list[tuple[MPI.Request, np.ndarray]] = []
+        self._mismatch_error, self._timeout_error = mismatch_error, timeout_error
+        self.solo: Kind | None = None  # the partial meeting this rank is in without the others
+        self.solo_with: list[int] = []  # after a partial meeting: the ranks in the same one
         self.usable = True         # False once a timeout left a request pending
-        self._received = None      # every rank's record of the last exchange
+        self.disagreed: list[Kind] = []  # the kinds the ranks were in at the last mismatch
+        self._received = np.empty((0, 0), np.uint8)  # every rank's record of the last exchange
         self._token = 0            # the ordering token of the previous collective
         self.agreed_at = 0.0       # time.perf_counter() when the last agreement completed
 
     @property
-    def seq(self):
+    def seq(self) -> int:
         """The number of the last collective of this communicator (1, 2, ...)."""
         return self._seq
 
     @property
-    def carry_bytes(self):
+    def carry_bytes(self) -> int:
         """The most data bytes a rank's record carries (see ``agree_carrying``)."""
         return record_bytes(self._size) - _SIGNATURE_BYTES
 
-    def agree_carrying(self, data, kind, dtype, shapes, rows=0, timeout=None, token=None):
+    def agree_carrying(self, data: np.ndarray, kind: Kind, dtype: Any, shapes: Sequence[Shape],
+                       rows: int = 0, timeout: float | None = None,
+                       token: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """``agree``, with this rank's ``data`` (a 1-D uint8 array) in the same message.
 
         Returns ``(everyone, carried)``: ``everyone`` as from ``agree`` (its
@@ -197,12 +244,14 @@ class Rendezvous:
         fits = data.size <= self.carry_bytes
         everyone = self.agree(kind, dtype, shapes, rows=rows, nbytes=data.size,
                               timeout=timeout, token=token, _data=data if fits else None)
-        if everyone is None or everyone[:, _BYTES].max() > self.carry_bytes:
+        assert everyone is not None  # (a data collective is never partial)
+        if everyone[:, _BYTES].max() > self.carry_bytes:
             return everyone, None
         return everyone, self._received[:, _SIGNATURE_BYTES:]
 
-    def agree(self, kind, dtype, shapes, rows=0, nbytes=0, timeout=None, tag="", token=None,
-              _data=None):
+    def agree(self, kind: Kind, dtype: Any, shapes: Sequence[Shape], rows: int = 0,
+              nbytes: int = 0, timeout: float | None = None, tag: str = "",
+              token: int | None = None, _data: np.ndarray | None = None) -> np.ndarray | None:
         """Blocks until every rank has entered this collective; raises if they differ.
 
         ``shapes`` must be equal on all ranks (see ``signature``); ``timeout``
@@ -214,34 +263,37 @@ class Rendezvous:
         rank (the last column is each rank's ``nbytes``, what it sends in an
         all_gather).
 
-        A ``WRITE`` (a save) that not every rank entered is not an error: it
-        returns None on the ranks that entered it (they save alone, as the
-        program asked; ``alone_with`` says with whom), and the other ranks meet
-        again, in the collective they were entering, once those ranks are done.
+        A ``partial`` kind (a save) that not every rank entered is not an
+        error: it returns None on the ranks that entered it (they go on alone,
+        as the program asked; ``solo_with`` says with whom), and the other ranks
+        meet again, in the collective they were entering, once those ranks are
+        done.
         """
         self._seq += 1
+        self.disagreed = []
         token_step = 0
         if token is not None:
             token_step, self._token = token - self._token, token
         while True:
             everyone = self._exchange(
                 signature(self._seq, kind, dtype, shapes, rows, nbytes, tag,
-                          self.saving_alone, token_step), _data, shapes, timeout)
-            writing = everyone[:, _KIND] == WRITE
+                          self.solo, token_step), _data, shapes, timeout)
+            partial = [_kind(code).partial for code in everyone[:, _KIND].tolist()]
             differ = np.any(everyone[:, _MUST_AGREE] != everyone[0, _MUST_AGREE])
-            if not (differ and writing.any()):
+            if not (differ and any(partial)):
                 break
-            if kind == WRITE:
+            if kind.partial:
                 self._seq -= 1  # the next collective takes this number
                 same = np.all(everyone[:, _KIND:] == everyone[self._rank, _KIND:], axis=1)
-                self.alone_with = np.flatnonzero(same).tolist()
+                self.solo_with = np.flatnonzero(same).tolist()
                 return None
         if differ:
             self._raise_disagreement(everyone, shapes)
         self.agreed_at = time.perf_counter()
         return everyone
 
-    def _exchange(self, mine, data, shapes, timeout):
+    def _exchange(self, mine: np.ndarray, data: np.ndarray | None, shapes: Sequence[Shape],
+                  timeout: float | None) -> np.ndarray:
         """Every rank's signature (one row per rank); their records stay in ``_received``."""
         record = np.zeros(record_bytes(self._size), np.uint8)
         record[:mine.nbytes] = mine.view(np.uint8)
@@ -260,31 +312,34 @@ class Rendezvous:
         return self._received[:, :mine.nbytes].copy().view(np.int64)
 
     # -- disagreement --------------------------------------------------------
-    def _raise_disagreement(self, everyone, shapes):
+    def _raise_disagreement(self, everyone: np.ndarray, shapes: Sequence[Shape]) -> None:
         by_rank = "; ".join(f"rank {r}: {describe(s)}" for r, s in enumerate(everyone))
         if np.all(everyone[:, _KIND:_TENSORS + 1] == everyone[0, _KIND:_TENSORS + 1]):
             by_rank += " (same sizes, but the shapes differ between ranks)"
-        kinds = set(everyone[:, _KIND].tolist())
+        kinds = [_kind(code) for code in dict.fromkeys(everyone[:, _KIND].tolist())]
+        self.disagreed = kinds
+        blamed = [k.blame for k in kinds if k.blame]
+        solo = [_kind(code) for code in everyone[:, _SOLO].tolist() if code]
         if np.all(everyone[:, _KIND:_TOKEN] == everyone[0, _KIND:_TOKEN]):
             advice = _CONSTANT_ADVICE  # only the tokens differ
             by_rank = "; ".join(f"rank {r}: {describe(s)} (ordering token moved by "
                                 f"{s[_TOKEN]} since the previous collective)"
                                 for r, s in enumerate(everyone))
-        elif WRITE_DONE in kinds:
-            advice = _SAVE_FAILED_ADVICE
-        elif everyone[:, _ALONE].any():
-            advice = _ALONE_ADVICE
-        elif len(kinds) == 1 and int(everyone[0, _KIND]) in _ADVICE:
-            advice = _ADVICE[int(everyone[0, _KIND])]
+        elif blamed:
+            advice = blamed[0]
+        elif solo:
+            advice = solo[0].solo_advice
+        elif len(kinds) == 1 and kinds[0].advice:
+            advice = kinds[0].advice
         else:
             advice = _ORDER_ADVICE
-        raise CollectiveMismatchError(
+        raise self._mismatch_error(
             f"mpi_strategy: ranks disagree in an MPI collective (collective "
             f"#{everyone[self._rank, _SEQ]} of this communicator; this is rank {self._rank}, "
             f"shapes {_shapes_text(shapes)}). {by_rank}. {advice}")
 
     # -- timeout ---------------------------------------------------------------
-    def _announce(self):
+    def _announce(self) -> None:
         if self._announce_comm is None:
             return
         MPI.Request.Waitall([req for req, _ in self._sends])  # small: long since delivered
@@ -293,7 +348,7 @@ class Rendezvous:
                        for r in range(self._size) if r != self._rank]
         self._last_seen[self._rank] = self._seq
 
-    def _collect_announcements(self):
+    def _collect_announcements(self) -> None:
         if self._announce_comm is None:
             return
         status, seq = MPI.Status(), np.empty(1, np.int64)
@@ -302,7 +357,7 @@ class Rendezvous:
             source = status.Get_source()
             self._last_seen[source] = max(self._last_seen[source], seq[0])
 
-    def _missing(self):
+    def _missing(self) -> str:
         if self._announce_comm is None:
             return ("some ranks never reached it (which ones is known when the timeout is "
                     "set for the whole strategy: MPIStrategy(communication_options="
@@ -312,13 +367,14 @@ class Rendezvous:
         last = ", ".join(f"rank {r}: #{self._last_seen[r]}" for r in missing)
         return f"rank(s) {missing} never reached it (the last collective they entered: {last})"
 
-    def _wait(self, request, mine, shapes, timeout):
+    def _wait(self, request: MPI.Request, mine: np.ndarray, shapes: Sequence[Shape],
+              timeout: float) -> None:
         deadline = time.monotonic() + timeout
         pause = 0.0
         while not request.Test():
             if time.monotonic() > deadline:
                 self.usable = False
-                raise CollectiveTimeoutError(
+                raise self._timeout_error(
                     f"mpi_strategy: timeout after {timeout:g} s on rank {self._rank} in "
                     f"{describe(mine)} (shapes {_shapes_text(shapes)}; "
                     f"collective #{self._seq} of this communicator): {self._missing()}. "
@@ -331,6 +387,6 @@ class Rendezvous:
             pause = min(2 * pause + 1e-5, 1e-3)
 
 
-def _shapes_text(shapes):
+def _shapes_text(shapes: Sequence[Shape]) -> str:
     text = ", ".join(str(tuple(int(d) for d in shape)) for shape in shapes[:4])
     return text + (f", ... ({len(shapes)} in all)" if len(shapes) > 4 else "")

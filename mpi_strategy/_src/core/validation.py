@@ -5,15 +5,18 @@ same verdict on every rank, so every rank raises the same error instead of
 one rank raising while the others wait in the next collective.
 """
 
+from __future__ import annotations
+
 import os
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from mpi_strategy.errors import MPIStrategyError
+from mpi_strategy._src.core.errors import MPIStrategyError
 
 
-def resolve_comm(comm):
+def resolve_comm(comm: Any) -> MPI.Intracomm:
     """``comm`` checked to be an mpi4py intracommunicator (default COMM_WORLD)."""
     if comm is None:
         comm = MPI.COMM_WORLD
@@ -39,12 +42,12 @@ _LAUNCHER_TASK_COUNTS = (
 )
 
 
-def mpi_library():
+def mpi_library() -> str:
     """The MPI library mpi4py uses, in one line (e.g. "MPICH Version: 5.0.2")."""
     return " ".join(MPI.Get_library_version().splitlines()[0].split())
 
 
-def check_launcher_matches_mpi(comm):
+def check_launcher_matches_mpi(comm: MPI.Intracomm) -> None:
     """Raises if a launcher started several tasks but MPI sees a world of one.
 
     That happens when the launcher belongs to another MPI than the one mpi4py
@@ -67,7 +70,7 @@ def check_launcher_matches_mpi(comm):
                 "independent one-process trainings on purpose, pass comm=MPI.COMM_SELF.")
 
 
-def check_thread_level():
+def check_thread_level() -> None:
     """MPI is called from TensorFlow's worker threads, so it must allow that."""
     provided = MPI.Query_thread()
     if provided < MPI.THREAD_SERIALIZED:
@@ -80,7 +83,7 @@ def check_thread_level():
             "call MPI_Init yourself before importing mpi4py.")
 
 
-def check_same_on_all_ranks(comm, value, what):
+def check_same_on_all_ranks(comm: MPI.Intracomm, value: int, what: str) -> None:
     """Raises on every rank unless the integer ``value`` is equal on all ranks."""
     mine = np.array([value], np.int64)
     everyone = np.empty(comm.Get_size(), np.int64)
@@ -89,3 +92,13 @@ def check_same_on_all_ranks(comm, value, what):
         raise MPIStrategyError(
             f"mpi_strategy: {what} differs between ranks ({everyone.tolist()} by "
             f"rank). Every rank must use the same {what}.")
+
+
+def spans_the_world(comm: MPI.Intracomm) -> bool:
+    """True if ``comm`` holds exactly the processes of ``COMM_WORLD``."""
+    mine, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return mine.Compare(world) == MPI.IDENT
+    finally:
+        mine.Free()
+        world.Free()

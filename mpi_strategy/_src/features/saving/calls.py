@@ -1,11 +1,12 @@
 """The TensorFlow and Keras calls that write files become write points.
 
-Each function or method listed in ``_tf_internal.WRITE_CALLS`` and in the
-``write_calls`` of ``_keras_internal._KERAS_SITES`` is wrapped once per
-process (when a strategy over several ranks is built) so that a call made on
-every rank writes once per filesystem and returns on every rank once the
-files are complete (``write_point.py``). A call made on some ranks only writes
-there, as before.
+``write_point_wrapper`` makes each function or method listed in
+``_tf_internal.WRITE_CALLS`` and in the ``write_calls`` of
+``_keras_internal.SITES`` (``effects.py`` installs the wrappers) a write point
+when it is this library's work (``write_point.applies``): a call made on every
+rank writes once per filesystem and returns on every rank once the files are
+complete. A call made on some ranks only writes there, as before; any other
+call runs unchanged.
 On a rank that does not write, the call instead:
 
 * ``memory``: runs against an in-memory path (``ram://``), so that whatever
@@ -28,85 +29,54 @@ and list the attributes holding paths under it, which are pointed elsewhere
 for the call.
 """
 
+from __future__ import annotations
+
 import contextlib
 import copy
 import functools
-import importlib
 import inspect
 import io
 import os
 import shutil
 import tempfile
 import warnings
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import tensorflow as tf
 
-from mpi_strategy import write_point
-from mpi_strategy.logs import logger
-
-_WRAPPED = "_mpi_strategy_write_point"
-_SYNCHRONOUS = "_mpi_strategy_synchronous"
+from mpi_strategy._src._tf_internal import WriteCall
+from mpi_strategy._src.core.logs import logger
+from mpi_strategy._src.features.saving import write_point
 
 
-class WriteCall(NamedTuple):
-    """One function or method that writes files (see the module docstring)."""
-    owner: str           # "package.module" or "package.module:Class"
-    name: str            # function or method name
-    path: str            # argument name, or "self.<attribute>"
-    instead: str         # what a rank that does not write does
-    attrs: tuple = ()    # (methods) attributes holding paths under ``path``
+def synchronous_checkpoint_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A Checkpoint method (``_tf_internal.ASYNC_CHECKPOINT_CALLS``) that ignores
+    the asynchronous-checkpoint option for this library's checkpoints: a write
+    point must run in the calling thread, where the ranks meet."""
+
+    @functools.wraps(original)
+    def synchronous(self: Any, file_prefix: Any, options: Any = None) -> Any:
+        if (options is not None and options.experimental_enable_async_checkpoint
+                and write_point.ordered_comm_for(self) is not None):
+            options = copy.copy(options)
+            options.experimental_enable_async_checkpoint = False
+            logger.warning("mpi_strategy: asynchronous checkpoints are written "
+                           "synchronously under MPIStrategy (every rank meets in the save).")
+        return original(self, file_prefix, options=options)
+
+    return synchronous
 
 
-def install(write_calls):
-    """Wraps each of ``write_calls`` (tuples of ``WriteCall`` fields) whose
-    module can be imported (idempotent)."""
-    for call in (WriteCall(*fields) for fields in write_calls):
-        module_name, _, class_name = call.owner.partition(":")
-        try:
-            owner = importlib.import_module(module_name)
-            if class_name:
-                owner = getattr(owner, class_name)
-            original = getattr(owner, call.name)
-        except (ImportError, AttributeError) as exc:  # pragma: no cover - other versions
-            logger.warning("mpi_strategy: cannot make %s.%s a write point (%s): every rank "
-                           "that calls it writes.", call.owner, call.name, exc)
-            continue
-        if not getattr(original, _WRAPPED, False):
-            setattr(owner, call.name, _wrap(original, call))
-
-
-def install_synchronous_checkpoints(methods):
-    """Makes ``methods`` (``_tf_internal.ASYNC_CHECKPOINT_CALLS``) ignore the
-    asynchronous-checkpoint option: a write point must run in the calling thread."""
-    for owner_name, name in methods:
-        module_name, _, class_name = owner_name.partition(":")
-        owner = getattr(importlib.import_module(module_name), class_name)
-        original = getattr(owner, name)
-        if getattr(original, _SYNCHRONOUS, False):
-            continue
-
-        def synchronous(self, file_prefix, options=None, original=original):
-            if options is not None and options.experimental_enable_async_checkpoint:
-                options = copy.copy(options)
-                options.experimental_enable_async_checkpoint = False
-                logger.warning("mpi_strategy: asynchronous checkpoints are written "
-                               "synchronously under MPIStrategy (every rank meets in the save).")
-            return original(self, file_prefix, options=options)
-
-        functools.update_wrapper(synchronous, original)
-        setattr(synchronous, _SYNCHRONOUS, True)
-        setattr(owner, name, synchronous)
-
-
-def _wrap(function, listed):
+def write_point_wrapper(function: Callable[..., Any], listed: WriteCall) -> Callable[..., Any]:
+    """``function`` (listed as ``listed``) as a write point (see the module)."""
     signature = inspect.signature(function)
     what = f"{listed.owner.replace(':', '.')}.{listed.name}"
 
     @functools.wraps(function)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
-        path = _path_of(bound, listed)
+        path = _attribute(bound, listed.path)
         call = listed
         if call.instead == "scratch_if_h5" and isinstance(path, (str, os.PathLike)):
             call = call._replace(instead="scratch" if _is_h5(bound, path) else "memory")
@@ -114,34 +84,33 @@ def _wrap(function, listed):
             if _replaced_when_nested(call, path):
                 return _instead(function, bound, call, path)
             return function(*args, **kwargs)
-        if not write_point.applies(path):
+        written = write_point.NO_OBJECT if listed.of is None else _attribute(bound, listed.of)
+        ordered = write_point.applies(path, written)
+        if ordered is None:
             return function(*args, **kwargs)
-        with write_point.write_point(path, what), _scope_of_model(bound):
+        with write_point.write_point(ordered, path, what), _scope_of_model(bound):
             if write_point.role() == write_point.IN_MEMORY:
                 return _instead(function, bound, call, path)
             return function(*args, **kwargs)
 
-    setattr(wrapper, _WRAPPED, True)
     return wrapper
 
 
-def _scope_of_model(bound):
+def _scope_of_model(bound: inspect.BoundArguments) -> contextlib.AbstractContextManager[Any]:
     """For a tf_keras model, the scope of its strategy if none is entered: what
     tf_keras creates while saving (the metrics' variables of a model not yet
     trained) must be the strategy's, summed over the ranks, not one rank's.
     Only in a save every rank makes: creating a variable is a collective.
     (Keras 3 creates nothing there; it saves metric values as MirroredStrategy
     does, from the first replica, outside the scope.)"""
-    from mpi_strategy.strategy import MPIStrategy  # pylint: disable=import-outside-toplevel
     model = bound.arguments.get("model")
-    strategy = getattr(model, "distribute_strategy", None)
-    if (not isinstance(strategy, MPIStrategy) or tf.distribute.has_strategy()
-            or write_point.alone() or not type(model).__module__.startswith("tf_keras.")):
+    if (tf.distribute.has_strategy() or write_point.alone()
+            or not type(model).__module__.startswith("tf_keras.")):
         return contextlib.nullcontext()
-    return strategy.scope()
+    return model.distribute_strategy.scope()
 
 
-def _replaced_when_nested(call, path):
+def _replaced_when_nested(call: WriteCall, path: Any) -> bool:
     """Whether a call inside an in-memory write point must be replaced too: yes,
     unless it already writes where the outer call sent it (memory, scratch)."""
     if not isinstance(path, (str, os.PathLike)):
@@ -153,16 +122,18 @@ def _replaced_when_nested(call, path):
     return not ours.get(call.instead, False)
 
 
-def _path_of(bound, call):
-    if call.path.startswith("self."):
+def _attribute(bound: inspect.BoundArguments, where: str) -> Any:
+    """The argument named ``where``, or for "self.<a>.<b>" that attribute of self."""
+    if where.startswith("self."):
         value = bound.arguments["self"]
-        for name in call.path.split(".")[1:]:
+        for name in where.split(".")[1:]:
             value = getattr(value, name, None)
         return value
-    return bound.arguments.get(call.path)
+    return bound.arguments.get(where)
 
 
-def _instead(function, bound, call, path):
+def _instead(function: Callable[..., Any], bound: inspect.BoundArguments, call: WriteCall,
+             path: Any) -> Any:
     """What a rank that does not write for ``path`` does instead of ``function``."""
     if call.instead == "skip":
         return None
@@ -193,7 +164,7 @@ def _instead(function, bound, call, path):
             write_point.remove_memory_path(target)
 
 
-def _in_scratch(path):
+def _in_scratch(path: Any) -> bool:
     return os.path.basename(os.path.dirname(os.fspath(path))).startswith(_SCRATCH_PREFIX)
 
 
@@ -201,7 +172,7 @@ _SCRATCH_PREFIX = "mpi_strategy-scratch-"
 _SHM_NEEDED = 2 << 30  # containers often give /dev/shm 64 MB: fall back to the disk
 
 
-def _scratch_root():
+def _scratch_root() -> str | None:
     try:
         stat = os.statvfs("/dev/shm")
     except OSError:
@@ -210,13 +181,14 @@ def _scratch_root():
     return "/dev/shm" if roomy and os.access("/dev/shm", os.W_OK) else None
 
 
-def _is_h5(bound, path):
+def _is_h5(bound: inspect.BoundArguments, path: Any) -> bool:
     save_format = str(bound.arguments.get("save_format") or "").lower()
     return save_format in ("h5", "hdf5", "keras") or (
         not save_format and os.fspath(path).endswith((".h5", ".hdf5", ".keras")))
 
 
-def _with_attributes_at(function, bound, call, path, target):
+def _with_attributes_at(function: Callable[..., Any], bound: inspect.BoundArguments,
+                        call: WriteCall, path: Any, target: str) -> Any:
     """Calls a method with its path attributes moved from ``path`` to ``target``."""
     owner = bound.arguments["self"]
     saved = {name: getattr(owner, name) for name in call.attrs}
@@ -233,7 +205,7 @@ def _with_attributes_at(function, bound, call, path, target):
             setattr(owner, name, value)
 
 
-def _real_path_in(result, target, path):
+def _real_path_in(result: Any, target: str, path: str) -> Any:
     """``result`` with the in-memory path replaced by the real one (returned paths)."""
     if isinstance(result, str) and result.startswith(target):
         return path + result[len(target):]
@@ -245,7 +217,7 @@ def _real_path_in(result, target, path):
 
 
 @contextlib.contextmanager
-def only_chief_writes(path, comm=None):
+def only_chief_writes(path: str, comm: Any = None) -> Iterator[str]:
     """Deprecated: yields ``path``. A save made on every rank now writes once
     per filesystem by itself (docs/checkpointing.md)."""
     del comm

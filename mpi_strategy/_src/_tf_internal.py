@@ -1,0 +1,190 @@
+"""Every private TensorFlow symbol mpi_strategy uses, behind one version check.
+
+TensorFlow's distribute internals move between releases. Keeping each private
+import here, and the name of every private hook of a TensorFlow base class
+that the binding overrides (``OVERRIDDEN_HOOKS``, each checked to exist at
+import), means a new TF release breaks (at most) this file, loudly, at import
+time, instead of somewhere deep inside a training step.
+
+Checked on TensorFlow 2.16.2 (with Keras 3.15) and 2.21.0 (CI runs both).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+
+from mpi_strategy._src.core.errors import MPIStrategyError
+from mpi_strategy._src.core.logs import logger
+
+SUPPORTED_TF = ((2, 16), (2, 21))  # inclusive range this file was checked against
+
+
+def _tf_version() -> tuple[int, ...]:
+    return tuple(int(p) for p in tf.__version__.split(".")[:2])
+
+
+_version = _tf_version()
+if _version < SUPPORTED_TF[0]:
+    raise MPIStrategyError(
+        f"mpi_strategy needs TensorFlow >= {'.'.join(map(str, SUPPORTED_TF[0]))}; "
+        f"found {tf.__version__}. Upgrade with: pip install -U 'tensorflow>=2.16'"
+    )
+if _version > SUPPORTED_TF[1]:
+    logger.warning(
+        "mpi_strategy was tested with TensorFlow up to %s; found %s. "
+        "If something fails in mpi_strategy/_tf_internal.py, TensorFlow's "
+        "private distribute API changed.",
+        ".".join(map(str, SUPPORTED_TF[1])), tf.__version__)
+
+try:
+    # pylint: disable=g-direct-tensorflow-import
+    from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
+    from tensorflow.python.distribute import distribute_utils as _distribute_utils
+    from tensorflow.python.distribute import input_util as _input_util
+    from tensorflow.python.distribute import mirrored_run as _mirrored_run
+    from tensorflow.python.distribute import mirrored_strategy as _mirrored_strategy
+    from tensorflow.python.framework import ops as _ops
+    from tensorflow.python.ops import control_flow_util as _control_flow_util
+except ImportError as exc:  # pragma: no cover - only on an untested TF
+    raise MPIStrategyError(
+        f"TensorFlow {tf.__version__} moved a private module mpi_strategy relies "
+        f"on ({exc}). Install a TensorFlow between 2.16 and 2.21."
+    ) from exc
+
+# The single-process mirrored machinery MPIStrategy extends across ranks.
+MirroredExtended = _mirrored_strategy.MirroredExtended
+regroup = _distribute_utils.regroup
+simple_broadcast = _cross_device_ops.simple_broadcast
+get_distributed_dataset = _input_util.get_distributed_dataset
+get_distributed_datasets_from_function = _input_util.get_distributed_datasets_from_function
+
+
+def in_xla_context() -> bool:
+    """True when the op being built will be compiled by XLA (jit_compile=True)."""
+    return _control_flow_util.GraphOrParentsInXlaContext(_ops.get_default_graph())
+
+
+def is_mirrored(value: Any) -> bool:
+    return _distribute_utils.is_mirrored(value)
+
+
+def captured_value(tensor: Any) -> Any:
+    """What a placeholder of a tf.function's graph stands for: a tensor of the
+    enclosing graph, or an eager tensor such as a variable's handle; None if
+    ``tensor`` is not such a capture. (FuncGraph.captures.)"""
+    for external, internal in getattr(tensor.graph, "captures", ()):
+        if internal is tensor:
+            return external
+    return None
+
+
+# Private hooks of TensorFlow base classes that the binding overrides (or
+# calls, or sets), by class: each must exist on that class in this TF, checked
+# below at import. tests/architecture checks that the binding's classes
+# override no private name that is not listed here.
+OVERRIDDEN_HOOKS = {
+    # distribute/strategy.py: MPIExtended(MirroredExtended)
+    MirroredExtended: (
+        "_initialize_strategy",            # only the devices: no TF collectives
+        "_initialize_single_worker",       # (called) sets up the local devices
+        "_num_replicas_in_sync",           # ranks x local devices
+        "_get_replica_id_in_sync_group",   # global replica ids
+        "_get_local_replica_id",
+        "_in_multi_worker_mode",           # the iterator agrees on the end of data
+        # `_use_merge_call()`: read by `tf.__internal__.distribute.interim.maybe_merge_call`
+        # and `strategy_supports_no_merge_call` (Keras' optimizers and
+        # LossScaleOptimizer, tf_keras' optimizers and metrics), by
+        # ReplicaContext.all_reduce and by replica-context updates of aggregated
+        # variables (values.py). False means "synchronize without merge_call";
+        # MPIExtended answers False only where merge_call would fail (below).
+        "_use_merge_call",
+        # What ReplicaContext.all_reduce and those variable updates call when
+        # `_use_merge_call()` is False.
+        "_replica_ctx_all_reduce",
+        "_get_cross_device_ops",
+        "_reduce_to",                      # also int32 values and reductions to the host
+        "_batch_reduce_to",
+        "_gather_to_implementation",
+        "_get_variable_creator_initial_value",  # every variable starts as rank 0's
+        "_experimental_distribute_dataset",
+        "_distribute_datasets_from_function",
+        "_experimental_distribute_values_from_function",
+        "_input_workers_with_options",     # (called)
+        "_container_strategy",             # (called)
+    ),
+    # distribute/cross_device_ops.py: MPICrossDeviceOps(CrossDeviceOps)
+    tf.distribute.CrossDeviceOps: (
+        "_num_between_graph_workers",      # 1 would make TF skip the reduction
+        "_gather_implementation",
+        "_gather",                         # (called) by MPIExtended's gather
+    ),
+}
+# Private attributes MPIExtended sets for TensorFlow's and Keras' readers:
+# `_communication_options`, `_cross_device_ops`, `_cluster_resolver`,
+# `_task_type` / `_task_id` (tf_keras names non-chief scratch directories by
+# them), and on MPIStrategy the class attribute `_collective_key_base`.
+for _base, _names in OVERRIDDEN_HOOKS.items():
+    _missing = [name for name in _names if not hasattr(_base, name)]
+    if _missing:  # pragma: no cover - only on an untested TF
+        raise MPIStrategyError(
+            f"TensorFlow {tf.__version__} has no {_base.__name__}.{', '.join(_missing)}, "
+            "which mpi_strategy overrides. Install a TensorFlow between 2.16 and 2.21.")
+
+
+def merge_call_would_fail() -> bool:
+    """True where MirroredStrategy's merge_call raises "`merge_call` called while
+    defining a new graph": in a replica thread whose current graph is not the one
+    its replica function is traced in (inside tf.cond, tf.while_loop or a nested
+    tf.function). The same test as mirrored_run._MirroredReplicaContext._merge_call."""
+    thread = threading.current_thread()
+    replica_thread_class = _mirrored_run._MirroredReplicaThread  # pylint: disable=protected-access
+    return isinstance(thread, replica_thread_class) and _ops.get_default_graph() is not thread.graph
+
+
+class WriteCall(NamedTuple):
+    """A TensorFlow or Keras function or method that writes files, and how
+    ``features/saving`` makes it a write point (see ``features/saving/calls.py``)."""
+    owner: str           # "package.module" or "package.module:Class"
+    name: str            # function or method name
+    path: str            # argument name, or "self.<attribute>"
+    instead: str         # what a rank that does not write does
+    of: str | None       # the argument (or "self.<attribute>") holding the object
+                         # written, whose strategy decides; None: names no object
+    attrs: tuple[str, ...] = ()  # (methods) attributes holding paths under ``path``
+
+
+# TensorFlow functions that write files, made write points by features/saving
+# (one writer per filesystem when every rank calls them). Private ones: the
+# Checkpoint._write funnel (write, save, CheckpointManager.save),
+# TrackableSaver.save (the variables' files), the checkpoint index and sweep
+# helpers, and saved_model's save_and_return_nodes (tf.saved_model.save).
+WRITE_CALLS = (
+    WriteCall("tensorflow.python.checkpoint.checkpoint:Checkpoint", "_write", "file_prefix",
+              "same", "self"),
+    WriteCall("tensorflow.python.checkpoint.checkpoint:TrackableSaver", "save", "file_prefix",
+              "memory", None),
+    # (so that its index and sweep below are inside the write point of its checkpoint)
+    WriteCall("tensorflow.python.checkpoint.checkpoint_management:CheckpointManager", "save",
+              "self.directory", "same", "self.checkpoint"),
+    WriteCall("tensorflow.python.checkpoint.checkpoint_management",
+              "update_checkpoint_state_internal", "save_dir", "skip", None),
+    WriteCall("tensorflow.python.checkpoint.checkpoint_management", "_delete_file_if_exists",
+              "filespec", "skip", None),
+    WriteCall("tensorflow.python.saved_model.save", "save_and_return_nodes", "export_dir",
+              "memory", "obj"),
+    WriteCall("tensorflow.python.ops.summary_ops_v2", "create_file_writer_v2", "logdir",
+              "noop_writer", None),
+    WriteCall("tensorflow._api.v2.summary", "create_file_writer", "logdir", "noop_writer", None),
+    WriteCall("tensorflow._api.v2.compat.v2.summary", "create_file_writer", "logdir",
+              "noop_writer", None),
+)
+# Checkpoint methods that hand the write to a background thread when
+# CheckpointOptions(experimental_enable_async_checkpoint=True): saving.py makes
+# them write in the calling thread, where the ranks can meet (_write: what
+# CheckpointManager.save calls).
+ASYNC_CHECKPOINT_CALLS = (("tensorflow.python.checkpoint.checkpoint:Checkpoint", "save"),
+                          ("tensorflow.python.checkpoint.checkpoint:Checkpoint", "write"),
+                          ("tensorflow.python.checkpoint.checkpoint:Checkpoint", "_write"))

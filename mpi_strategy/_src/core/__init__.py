@@ -1,0 +1,1 @@
+"""The framework-free MPI core: numpy and mpi4py only (no TensorFlow)."""

@@ -1,0 +1,95 @@
+"""A rank that dies must take the job with it, not leave the others waiting.
+
+MPI collectives wait for every rank. A Python exception that ends one rank's
+program would leave the other ranks blocked in their next collective until the
+batch system's time limit. Once an MPIStrategy spans several processes, an
+uncaught exception prints its traceback tagged with the rank and aborts the
+whole MPI job (as ``python -m mpi4py`` does), so it fails in seconds.
+
+Launched with ULFM (``mpirun --with-ft ulfm``, for elastic training), the rank
+leaves differently: MPI_Abort called by several ranks at once can hang Open
+MPI 5.0's launcher, and a rank that exits with a non-zero status is not
+reported to the others (they would wait for it). See ``_leave_under_ulfm``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+from types import TracebackType
+
+from mpi4py import MPI
+
+from mpi_strategy._src.core.errors import RanksLostError, TooFewRanksError
+from mpi_strategy._src.core.ulfm import is_process_failure, is_replacement, ulfm_launch
+
+_state = {"armed": False, "aborting": False}
+
+
+def arm(comm: MPI.Comm) -> None:
+    """Called with every strategy's communicator: once one spans several ranks
+    (or this process replaces a lost rank, alone in its world until it joins:
+    the survivors must learn of its death), an uncaught exception ends the job."""
+    if comm.Get_size() > 1 or is_replacement():
+        _state["armed"] = True
+
+
+def armed() -> bool:
+    """True once an uncaught exception must end the whole job (see ``arm``)."""
+    return _state["armed"]
+
+
+def aborting() -> bool:
+    """True once this process has started to abort the job (an uncaught exception)."""
+    return _state["aborting"]
+
+
+def end_the_job(exc_type: type[BaseException], exc: BaseException,
+                tb: TracebackType | None) -> None:
+    """The uncaught exception's traceback, tagged with the rank, then the end
+    of the job (``MPI_Abort``; under ULFM see ``_leave_under_ulfm``). A
+    ``KeyboardInterrupt`` (Ctrl-C) ends it like any other exception."""
+    _state["aborting"] = True  # MPICH's Abort may still run exit handlers
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    # One write, so that launchers that tag lines with the rank keep it whole.
+    # TensorFlow's messages span many lines; the traceback below has them all.
+    lines = "".join(traceback.format_exception_only(exc_type, exc)).strip().splitlines()
+    summary = lines[0] + (" ..." if len(lines) > 1 else "") if lines else exc_type.__name__
+    sys.stderr.write(
+        f"mpi_strategy: uncaught exception on rank {rank} of {size} ({summary}); "
+        f"{_what_happens_now(exc)} so that no rank waits for it.\n"
+        + "".join(traceback.format_exception(exc_type, exc, tb)))
+    sys.stderr.flush()
+    sys.stdout.flush()
+    time.sleep(1.0)  # lets the launcher forward the traceback before the abort
+    if ulfm_launch():
+        _leave_under_ulfm(exc)
+    MPI.COMM_WORLD.Abort(1)
+
+
+def _what_happens_now(exc: BaseException) -> str:
+    if not ulfm_launch():
+        return "aborting the MPI job"
+    if _every_living_rank_raises(exc):
+        return "this rank ends with status 1, as every living rank does,"
+    return "this rank kills itself (SIGKILL: the others learn of it)"
+
+
+def _every_living_rank_raises(exc: BaseException) -> bool:
+    return isinstance(exc, (RanksLostError, TooFewRanksError)) or is_process_failure(exc)
+
+
+def _leave_under_ulfm(exc: BaseException) -> None:
+    """An error that every living rank raises (ranks were lost, also in a call
+    of the program's own or before training) ends each of them with exit status 1, which the launcher reports. A rank's own error kills it
+    with SIGKILL: the others learn of it in their next collective (ULFM reports
+    a death by signal, not a non-zero exit status), and go on without it inside
+    ``elastic.run`` or end with status 1 outside. If every rank dies of its own
+    error at once, Open MPI's launcher exits with status 0 (it tolerates deaths
+    by signal under ULFM): the tracebacks say what happened."""
+    if _every_living_rank_raises(exc):
+        os._exit(1)
+    os.kill(os.getpid(), signal.SIGKILL)

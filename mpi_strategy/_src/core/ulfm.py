@@ -1,0 +1,70 @@
+"""User-Level Failure Mitigation (Open MPI 5's ``--with-ft ulfm``): how a lost
+rank is seen, and the few ULFM calls the library makes.
+
+Only an MPI with ULFM reports a process failure; elsewhere (MPICH 5) a lost
+rank ends the job, as without elastic mode.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mpi4py import MPI
+
+# MPI error classes of a process failure. Only an MPI with User-Level Failure
+# Mitigation reports them; elsewhere (MPICH 5) the three are one placeholder.
+_ULFM = (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED)
+_FAILURE_CLASSES = frozenset(_ULFM) if len(set(_ULFM)) == 3 else frozenset()
+
+
+def ulfm_launch() -> bool:
+    """True under Open MPI launched with ``--with-ft ulfm`` (which sets the MCA
+    parameter mpi_ft_enable for every rank)."""
+    return ("Open MPI" in MPI.Get_library_version()
+            and os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "enabled"))
+
+
+def is_process_failure(error: BaseException) -> bool:
+    """True for an ``MPI.Exception`` saying that a rank died (ULFM)."""
+    return isinstance(error, MPI.Exception) and error.Get_error_class() in _FAILURE_CLASSES
+
+
+def is_replacement() -> bool:
+    """True in a process that ``elastic.run(replace_lost=True)`` started to
+    replace a lost rank (it has a parent job)."""
+    return MPI.Comm.Get_parent() != MPI.COMM_NULL
+
+
+def revoke(comm: MPI.Comm) -> None:
+    """Revokes ``comm``: every rank in (or entering) one of its calls fails.
+    A communicator that another rank already revoked, or that a failure
+    made unusable, fails the call: that is the state asked for."""
+    try:
+        comm.Revoke()
+    except MPI.Exception as error:
+        if not is_process_failure(error):
+            raise
+
+
+def shrink(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """The living ranks of ``comm`` (revoked), agreed on by all of them."""
+    while True:
+        revoke(comm)
+        survivors = comm.Shrink()
+        try:
+            survivors.Agree(1)  # fails if another rank died meanwhile
+            return survivors
+        except MPI.Exception as error:
+            if not is_process_failure(error):
+                raise
+            comm = survivors
+
+
+def meet_the_living(comm: MPI.Intracomm) -> None:
+    """ULFM's agreement: returns on every living rank, failed or not."""
+    try:
+        comm.Agree(1)
+    except MPI.Exception as error:
+        if not is_process_failure(error):
+            raise
+        # a rank died at the very end: nothing left to wait for

@@ -1,0 +1,1 @@
+"""The tf.distribute binding: MPI collectives as ordered TF ops, MPICrossDeviceOps, MPIStrategy."""

@@ -1,0 +1,265 @@
+"""MPI collectives as TensorFlow ops that every rank issues in the same order.
+
+MPI matches collectives by call order only. Each collective here is one
+stateful ``tf.numpy_function`` that reads and writes a per-communicator
+*ordering token* (a scalar resource variable). TensorFlow orders all ops that
+touch the same resource in program order, across ``tf.cond``, ``tf.while_loop``
+and nested function calls, so the collectives of one communicator run strictly
+one after another, in the order the program issued them, on every rank. This
+is the same device TensorFlow uses for its own collectives (an ordering token
+passed to ``CollectiveReduceV2``).
+
+Inside each op, the ranks first agree on what the collective is
+(``rendezvous.py``): a mismatch raises the same error on every rank, and an
+optional timeout names the ranks that never arrived. These errors are raised
+in the op's Python function, so inside ``tf.function`` TensorFlow hands them
+to the caller as ``tf.errors`` classes (``errors.py`` says which). Data
+crosses MPI as raw buffers, never as pickles.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from mpi4py import MPI
+
+from mpi_strategy._src import _tf_internal
+from mpi_strategy._src.core import timeline as timeline_lib
+from mpi_strategy._src.core.collectives import Collectives
+from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
+from mpi_strategy._src.core.rendezvous import Rendezvous
+from mpi_strategy._src.distribute.errors import CollectiveMismatchError, CollectiveTimeoutError
+
+# Dtypes MPI can sum natively. float16 / bfloat16 are summed in float32 by the
+# caller (MPI has no portable half-precision reduction).
+REDUCIBLE_DTYPES = (tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+class OrderedComm:
+    """The graph-safe MPI operations of one communicator.
+
+    Every method returns tensors holding the same value on every rank of
+    ``comm``. In eager mode the call runs immediately; inside ``tf.function``
+    it becomes one stateful op ordered after the previous MPI op of this
+    communicator.
+    """
+
+    def __init__(self, comm: MPI.Intracomm, name_missing_ranks: bool = False) -> None:
+        """Collective over ``comm``: every rank of it creates its OrderedComm
+        at the same point; the collectives run on their own duplicate of
+        ``comm`` (``core.collectives.Collectives``). ``name_missing_ranks``:
+        make timeouts name the ranks that never arrived."""
+        self.collectives = Collectives(comm, name_missing_ranks,
+                                       CollectiveMismatchError, CollectiveTimeoutError)
+        self.comm: MPI.Intracomm = self.collectives.comm
+        self.rank, self.size = self.collectives.rank, self.collectives.size
+        # The token must be a plain (non-distributed) variable: create it
+        # outside any tf.function, on the host.
+        with tf.init_scope(), tf.device("/device:CPU:0"):
+            self._token = tf.Variable(
+                np.int64(0), trainable=False, name="mpi_ordering_token",
+                synchronization=tf.VariableSynchronization.NONE)
+
+    @property
+    def rendezvous(self) -> Rendezvous:
+        """The agreement every collective (and every meeting) of this communicator starts with."""
+        return self.collectives.rendezvous
+
+    @property
+    def failed(self) -> bool:
+        """True once a rank of this communicator died (``RanksLostError``)."""
+        return self.collectives.failed
+
+    def ranks_lost(self, error: MPI.Exception) -> RanksLostError:
+        """Marks the communicator failed and revokes it; returns the error to raise."""
+        return self.collectives.ranks_lost(error)
+
+    # -- the one place a TF op calls MPI -------------------------------------
+    def _ordered_call(self, name: str, fn: Callable[..., Sequence[np.ndarray]],
+                      inputs: Sequence[tf.Tensor],
+                      output_dtypes: Sequence[tf.DType]) -> list[tf.Tensor]:
+        """Runs ``fn(token, *numpy_inputs) -> list of arrays`` as one ordered op.
+
+        ``token`` (an int, the same on every rank) goes into the collective's
+        signature, so that ranks whose earlier constants differed raise.
+        """
+        trace = timeline_lib.current()
+        if trace is not None:
+            fn = self.collectives.timed(fn, name, trace)
+        fn = self.collectives.guarded(fn)
+
+        def with_token(token: np.ndarray, *arrays: np.ndarray) -> list[Any]:
+            return [token + 1] + list(fn(int(token), *arrays))
+
+        with tf.device("/device:CPU:0"):
+            token = self._token.read_value()
+            outputs = tf.numpy_function(
+                with_token, [token] + list(inputs), [tf.int64] + list(output_dtypes),
+                stateful=True, name=name)
+            self._token.assign(outputs[0])
+        return outputs[1:]
+
+    # -- collectives -----------------------------------------------------------
+    def allreduce_sum(self, x: tf.Tensor, timeout: float | None = None) -> tf.Tensor:
+        """Element-wise sum of ``x`` over all ranks (every rank gets the sum).
+
+        ``timeout``: seconds to wait for the other ranks to reach this
+        collective before raising (None: wait as long as MPI does, forever).
+        """
+        return self.allreduce_sum_packed([x], timeout)[0]
+
+    def allreduce_sum_packed(self, tensors: Sequence[tf.Tensor],
+                             timeout: float | None = None) -> list[tf.Tensor]:
+        """Sums each of ``tensors`` (all of one dtype) over all ranks, in one MPI call.
+
+        The tensors are copied into one pooled buffer, summed in place by one
+        MPI call and handed back as aligned views of it, which TensorFlow
+        adopts without a copy (``core/buffers.py``): one copy in, none out, and the
+        same memory every step once TensorFlow has let go of the previous one.
+        Many small tensors (a small model's gradients) are concatenated by
+        TensorFlow first: each tensor that crosses into Python costs several
+        microseconds, more than copying a few hundred kB.
+        """
+        _check_not_xla("allreduce")
+        if self.size == 1:
+            return [tf.identity(t) for t in tensors]
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) != 1 or tensors[0].dtype not in REDUCIBLE_DTYPES:
+            raise MPIStrategyError(
+                f"mpi_strategy: cannot sum dtype(s) {sorted(d.name for d in dtypes)} in one "
+                f"MPI call; supported: one of {[d.name for d in REDUCIBLE_DTYPES]} "
+                "(float16/bfloat16 are summed in float32 by MPICrossDeviceOps).")
+        if len(tensors) > 1 and _small_and_static(tensors):
+            shapes = [tuple(t.shape) for t in tensors]
+            flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
+            (summed,) = self._ordered_call("MPIAllreduce", self._allreduce(shapes, timeout),
+                                           [flat], [flat.dtype])
+            parts = tf.split(summed, [math.prod(shape) for shape in shapes])
+            return [tf.reshape(part, shape) for part, shape in zip(parts, shapes)]
+        outs = self._ordered_call("MPIAllreduce", self._allreduce(None, timeout), tensors,
+                                  [t.dtype for t in tensors])
+        for out, t in zip(outs, tensors):
+            out.set_shape(t.shape)
+        return outs
+
+    def _allreduce(self, shapes: list[tuple[int, ...]] | None,
+                   timeout: float | None) -> Callable[..., list[np.ndarray]]:
+        """The numpy function of an allreduce; ``shapes``: the tensors' shapes when
+        they arrive concatenated (the agreement compares these), else None."""
+        collectives = self.collectives
+
+        def allreduce(token: int, *arrays: np.ndarray) -> list[np.ndarray]:
+            return collectives.allreduce_sum(arrays, shapes, timeout, token)
+        return allreduce
+
+    def allgather(self, x: tf.Tensor, timeout: float | None = None) -> tf.Tensor:
+        """Concatenation along axis 0 of ``x`` from every rank, in rank order.
+
+        Ranks may contribute different numbers of rows; the other dimensions
+        and the dtype must agree (checked on every rank, so all ranks raise).
+        """
+        return self.allgather_many([x], timeout)[0]
+
+    def allgather_many(self, tensors: Sequence[tf.Tensor],
+                       timeout: float | None = None) -> list[tf.Tensor]:
+        """``allgather`` of each of ``tensors``, in one MPI call.
+
+        The tensors may differ in dtype and shape; each is concatenated along
+        axis 0 over the ranks, in rank order, and may have a different number
+        of rows on each rank. One ``Allgatherv`` of bytes carries them all.
+        """
+        _check_not_xla("allgather")
+        if self.size == 1:
+            return [tf.identity(x) for x in tensors]
+        collectives = self.collectives
+
+        def allgatherv(token: int, *arrays: np.ndarray) -> list[np.ndarray]:
+            return collectives.allgather(arrays, timeout, token)
+
+        outs = self._ordered_call("MPIAllgather", allgatherv, tensors,
+                                  [x.dtype for x in tensors])
+        for out, x in zip(outs, tensors):
+            out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+        return outs
+
+    def alltoall(self, x: tf.Tensor, timeout: float | None = None) -> tf.Tensor:
+        """Row ``r`` of ``x`` goes to rank ``r``: the result's row ``r`` is what
+        rank ``r`` sent to this rank. ``x`` has ``size`` rows, of the same
+        shape and dtype on every rank.
+        """
+        _check_not_xla("alltoall")
+        if self.size == 1:
+            return tf.identity(x)
+        collectives = self.collectives
+
+        def alltoall(token: int, array: np.ndarray) -> list[np.ndarray]:
+            return [collectives.alltoall(array, timeout, token)]
+
+        (out,) = self._ordered_call("MPIAlltoall", alltoall, [x], [x.dtype])
+        out.set_shape(x.shape)
+        return out
+
+    def broadcast(self, x: tf.Tensor, root: int = 0, timeout: float | None = None) -> tf.Tensor:
+        """``x`` as it is on ``root``, on every rank.
+
+        Raises on every rank if the ranks' tensors differ in size or dtype,
+        since that means the ranks are not running the same program (e.g. a
+        model built differently on one rank).
+        """
+        _check_not_xla("broadcast")
+        if self.size == 1:
+            return tf.identity(x)
+        collectives = self.collectives
+
+        def bcast(token: int, array: np.ndarray) -> list[np.ndarray]:
+            return [collectives.broadcast(array, root, timeout, token)]
+
+        (out,) = self._ordered_call("MPIBroadcast", bcast, [x], [x.dtype])
+        out.set_shape(x.shape)
+        return out
+
+    def check_same_constants(self, arrays: Sequence[np.ndarray]) -> None:
+        """Checks, at the next collective, that ``arrays`` (constants of the
+        program, numpy arrays) are the same on every rank, without sending them.
+
+        The ordering token advances by a hash of their values; the tokens are
+        part of the next collective's signature, where ranks that held
+        different constants raise ``CollectiveMismatchError``.
+        """
+        if self.size == 1 or not arrays:
+            return
+        digest = 0
+        for array in arrays:
+            digest = zlib.crc32(f"{array.dtype}{array.shape}".encode() + array.tobytes(), digest)
+        with tf.device("/device:CPU:0"):
+            self._token.assign_add(digest & _CONSTANT_HASH_MASK)
+
+
+# 24 bits per constant: the token (an int64) does not overflow in 2^39 steps.
+_CONSTANT_HASH_MASK = (1 << 24) - 1
+
+
+# Up to this many bytes, TensorFlow concatenates many tensors into one before
+# they cross into Python (see allreduce_sum_packed).
+_CONCAT_IN_GRAPH_BYTES = 256 * 1024
+
+
+def _small_and_static(tensors: Sequence[tf.Tensor]) -> bool:
+    if not all(t.shape.is_fully_defined() for t in tensors):
+        return False
+    return sum(t.shape.num_elements() * t.dtype.size for t in tensors) <= _CONCAT_IN_GRAPH_BYTES
+
+
+def _check_not_xla(name: str) -> None:
+    # Checked even on one rank, so a program fails the same way at 1 and N ranks.
+    if _tf_internal.in_xla_context():
+        raise MPIStrategyError(
+            f"mpi_strategy: the MPI collective {name} cannot be compiled by XLA. "
+            "Remove jit_compile=True from the tf.function (for Keras: "
+            "model.compile(..., jit_compile=False)); XLA can still compile "
+            "functions that do not communicate, e.g. the model's forward pass.")

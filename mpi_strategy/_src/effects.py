@@ -1,0 +1,183 @@
+"""Every process-wide effect of mpi_strategy, installed by one function.
+
+``install()`` replaces the TensorFlow and Keras functions listed in
+``EFFECTS`` (each by a wrapper from ``features/``), adds the library's log
+handler, the excepthook and one exit handler. It runs when ``mpi_strategy``
+is imported and whenever an MPIStrategy is built or its scope entered (Keras
+imported meanwhile is then adapted), and is idempotent by one mechanism: each
+replaced attribute is recorded in ``_ORIGINALS`` with what it replaced, and is
+never replaced twice. ``uninstall()`` (for tests) puts every original back.
+
+Every effect is scoped to this library's work: a wrapper does what the
+original does unless the call belongs to a multi-rank MPIStrategy (its scope,
+or an object built in it: ``features/saving/write_point.strategy_for``), or
+to a model of an MPIStrategy (Keras), and the excepthook ends the job only
+once a strategy spans several ranks. docs/concepts.md lists them in a table
+(tests/architecture checks it against ``EFFECTS``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from mpi_strategy._src import _keras_internal, _tf_internal
+from mpi_strategy._src.core import failure, logs, timeline
+from mpi_strategy._src.core.logs import logger
+from mpi_strategy._src.distribute import strategy as strategy_lib
+from mpi_strategy._src.features import ending, keras as keras_lib
+from mpi_strategy._src.features.elastic import ending as elastic_ending
+from mpi_strategy._src.features.saving import calls
+
+
+@dataclass(frozen=True)
+class Effect:
+    """One row of the table of process-wide effects (docs/concepts.md)."""
+    what: str       # what is replaced or added
+    why: str        # what it makes work
+    acts: str       # when it changes anything
+
+
+EFFECTS = (
+    Effect("the TensorFlow calls that write files (`_tf_internal.WRITE_CALLS`)",
+           "a save made on every rank writes once per filesystem",
+           "in the scope of a multi-rank MPIStrategy, or for an object built in one"),
+    Effect("Checkpoint `save`, `write`, `_write` (`_tf_internal.ASYNC_CHECKPOINT_CALLS`)",
+           "an asynchronous checkpoint is written in the calling thread, where ranks meet",
+           "for a checkpoint of a multi-rank MPIStrategy"),
+    Effect("the Keras 3 and tf_keras calls that write files (`_keras_internal.SITES`)",
+           "Keras saves and callbacks write once per filesystem",
+           "for a model of a multi-rank MPIStrategy"),
+    Effect("Keras `reduce_per_replica`",
+           "`predict` returns every row, in input order, on every rank",
+           "for a model of an MPIStrategy"),
+    Effect("Keras `CallbackList.__init__`",
+           "the progress bar on rank 0 only; tf_keras's BackupAndRestore accepts MPIStrategy",
+           "for a model of an MPIStrategy"),
+    Effect("tf_keras `distributed_file_utils` (4 functions), `WorkerTrainingState.__init__`",
+           "every rank names the real path; the write points decide who writes",
+           "for a model of an MPIStrategy"),
+    Effect("`sys.excepthook`",
+           "an uncaught exception ends the whole MPI job instead of leaving ranks waiting",
+           "once an MPIStrategy spans several ranks (or in a replacement of a lost rank)"),
+    Effect("one `atexit` handler",
+           "the ranks meet at the end (a rank saving alone finishes); timeline files "
+           "are closed; elastic jobs under ULFM end without MPI_Finalize",
+           "once an MPIStrategy spans all ranks; the timeline when on; elastic.run"),
+    Effect("a handler on the `mpi_strategy` logger",
+           "every line tagged with the rank; ranks other than 0 show errors only",
+           "the library's own logger only"),
+)
+
+# The one record of what is installed: (owner, attribute name) -> the original.
+_ORIGINALS: dict[tuple[Any, str], Any] = {}
+_EXCEPTHOOK = (sys, "excepthook")
+_AT_EXIT = (atexit, "mpi_strategy at exit")  # (a record only: atexit is not patched)
+
+
+def install() -> None:
+    """Installs every process-wide effect that this process can have now
+    (idempotent; see the module)."""
+    logs.configure()
+    _once(_AT_EXIT, lambda _: atexit.register(_at_exit))
+    synchronous = set(_tf_internal.ASYNC_CHECKPOINT_CALLS)
+    for call in _tf_internal.WRITE_CALLS:
+        _replace(call.owner, call.name, lambda f, call=call: _write_call_wrapper(
+            f, call, (call.owner, call.name) in synchronous))
+    for owner, name in synchronous:  # (those not wrapped above)
+        _replace(owner, name, calls.synchronous_checkpoint_wrapper)
+    for package, site in _keras_internal.SITES.items():
+        if package in sys.modules:  # else at the next install (an MPIStrategy's scope)
+            _adapt_keras(package, site)
+    if failure.armed():
+        _once(_EXCEPTHOOK, _excepthook_over)
+
+
+def uninstall() -> None:
+    """Puts back everything ``install`` replaced (for tests; the log handler
+    and the exit handler stay, inert)."""
+    for (owner, name), original in reversed(list(_ORIGINALS.items())):
+        if (owner, name) != _AT_EXIT:
+            setattr(owner, name, original)
+    _ORIGINALS.clear()
+    _ORIGINALS[_AT_EXIT] = None  # registered with atexit for good
+
+
+def installed() -> list[str]:
+    """What is replaced now, as "module.Class.name" (for tests and docs)."""
+    return [f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{name}"
+            for owner, name in _ORIGINALS if (owner, name) != _AT_EXIT]
+
+
+def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
+    try:
+        _replace(site.trainer, "reduce_per_replica", keras_lib.reduce_per_replica_wrapper)
+        backup = importlib.import_module(site.callbacks).BackupAndRestore
+        _replace(f"{site.callback_list}:CallbackList", "__init__",
+                 lambda f: keras_lib.callback_list_init_wrapper(f, backup))
+        for call in site.write_calls:
+            _replace(call.owner, call.name,
+                     lambda f, call=call: calls.write_point_wrapper(f, call))
+        if package == "tf_keras":
+            for name in _keras_internal.TF_KERAS_FILE_UTIL_NAMES:
+                _replace(_keras_internal.TF_KERAS_FILE_UTILS, name,
+                         lambda f, name=name: keras_lib.file_util_wrapper(f, name))
+            _replace(f"{_keras_internal.TF_KERAS_TRAINING_STATE}:WorkerTrainingState",
+                     "__init__", keras_lib.training_state_init_wrapper)
+    except (ImportError, AttributeError) as exc:  # pragma: no cover - another Keras
+        logger.warning("could not adapt %s (%s): predict() returns only this rank's rows, "
+                       "every rank prints progress, and saves are not write points.",
+                       package, exc)
+
+
+def _write_call_wrapper(original: Any, call: _tf_internal.WriteCall,
+                        synchronous: bool) -> Any:
+    wrapper = calls.write_point_wrapper(original, call)
+    return calls.synchronous_checkpoint_wrapper(wrapper) if synchronous else wrapper
+
+
+def _replace(where: str, name: str, wrap: Callable[[Any], Any]) -> None:
+    """Replaces ``name`` of ``where`` ("package.module" or "package.module:Class")
+    by ``wrap(original)``, once."""
+    module_name, _, class_name = where.partition(":")
+    owner: Any = importlib.import_module(module_name)
+    if class_name:
+        owner = getattr(owner, class_name)
+    _once((owner, name), wrap)
+
+
+def _once(key: tuple[Any, str], wrap: Callable[[Any], Any]) -> None:
+    if key in _ORIGINALS:
+        return
+    owner, name = key
+    original = getattr(owner, name, None)
+    _ORIGINALS[key] = original
+    if key != _AT_EXIT:
+        setattr(owner, name, wrap(original))
+    else:
+        wrap(original)
+
+
+def _excepthook_over(previous: Callable[..., Any]) -> Callable[..., None]:
+    def excepthook(exc_type: type[BaseException], exc: BaseException,
+                   tb: TracebackType | None) -> None:
+        if previous is not sys.__excepthook__:
+            previous(exc_type, exc, tb)  # a hook the program installed itself
+        failure.end_the_job(exc_type, exc, tb)
+    return excepthook
+
+
+def _at_exit() -> None:
+    """The library's end of the program, in order: timeline files closed, the
+    ranks' last meeting, and an elastic job's end under ULFM (which exits)."""
+    timeline.close_all()
+    ending.agree_on_the_end()
+    elastic_ending.end_if_elastic(_at_exit)
+
+
+strategy_lib.on_scope(install)

@@ -1,0 +1,1 @@
+"""What makes a one-process program work unchanged on N ranks: saving, Keras, elastic training."""

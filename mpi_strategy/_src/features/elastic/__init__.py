@@ -1,0 +1,1 @@
+"""Elastic training under ULFM: lose ranks and keep training, in place."""

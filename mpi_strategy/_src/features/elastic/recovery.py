@@ -1,0 +1,78 @@
+"""Recovery from lost ranks: shrink to the survivors, agree on a commit,
+continue the strategy there, roll back."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from mpi_strategy._src.core import ulfm
+from mpi_strategy._src.core.errors import RanksLostError, TooFewRanksError
+from mpi_strategy._src.core.logs import logger
+from mpi_strategy._src.distribute.strategy import MPIStrategy
+from mpi_strategy._src.features.elastic import disk, state as state_lib
+from mpi_strategy._src.features.elastic.state import State
+
+# Every recovery of this process: when it noticed the failure (time.time())
+# and how long each part took; read by benchmarks and examples.
+recoveries: list[dict[str, Any]] = []
+
+
+def ranks_were_lost(strategy: MPIStrategy, error: BaseException) -> bool:
+    """True if ``error`` comes from a lost rank. Inside tf.function the
+    RanksLostError arrives as a tf.errors class; the communicator remembers it."""
+    return isinstance(error, RanksLostError) or strategy.extended.ordered_comm.failed
+
+
+def recover(strategy: MPIStrategy, state: State, min_ranks: int, directory: str,
+            error: BaseException) -> None:
+    """Shrinks to the survivors, agrees on a commit, continues the strategy there
+    (collective over the survivors). With fewer than ``min_ranks`` survivors,
+    saves that commit in ``directory`` and raises ``TooFewRanksError``."""
+    times = {"detected_at": time.time()}
+    old = strategy.extended.ordered_comm.comm
+    before = old.Get_size()
+    started = time.monotonic()
+    survivors = ulfm.shrink(old)
+    size = survivors.Get_size()
+    number = np.array([state.commit_number], np.int64)
+    survivors.Allreduce(MPI.IN_PLACE, number, op=MPI.MIN)  # raw buffers: nothing unpickled
+    commit = int(number[0])
+    times["shrink_s"] = time.monotonic() - started
+    continue_on(strategy, state, survivors)
+    times["rebuild_s"] = time.monotonic() - started - times["shrink_s"]
+    state.restore(commit)
+    times["rollback_s"] = time.monotonic() - started - times["shrink_s"] - times["rebuild_s"]
+    if size < min_ranks:
+        disk.save(strategy, state, directory)
+        raise TooFewRanksError(
+            f"mpi_strategy.elastic: {size} rank(s) left of {before}, fewer than "
+            f"min_ranks={min_ranks}: the job ends. Commit #{commit} "
+            f"({disk.describe(state_lib.values_of(state))}) is saved in "
+            f"{os.path.abspath(directory)}; launching the program again resumes from it, "
+            "at any number of ranks.") from error
+    recoveries.append(dict(times, ranks_before=before, ranks_after=size, commit=commit))
+    logger.warning(
+        "mpi_strategy.elastic: lost %d rank(s); continuing on %d from commit #%d "
+        "(agree and shrink %.3f s, rebuild the strategy %.3f s, roll back %.3f s)",
+        before - size, size, commit, times["shrink_s"], times["rebuild_s"],
+        times["rollback_s"])
+
+
+def continue_on(strategy: MPIStrategy, state: State, comm: MPI.Intracomm) -> None:
+    """The strategy spans ``comm`` from now on; Keras traces its functions again."""
+    strategy.extended.continue_on(comm)
+    _forget_keras_functions(state_lib.trackables_of(state))
+
+
+def _forget_keras_functions(trackables: tuple[Any, ...]) -> None:
+    """Keras keeps a model's traced train / test / predict functions; traced
+    for the old world size, they must be traced again."""
+    for model in trackables:
+        for name in ("train_function", "test_function", "predict_function"):
+            if getattr(model, name, None) is not None:
+                setattr(model, name, None)

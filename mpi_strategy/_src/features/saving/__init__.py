@@ -1,0 +1,1 @@
+"""A save called on every rank writes once per filesystem (write points)."""
