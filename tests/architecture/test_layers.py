@@ -1,0 +1,84 @@
+"""The architecture holds: layers import only downward, no import cycles, every
+private TensorFlow hook the binding overrides is listed in the compat boundary,
+and every process-wide effect is in the docs' table.
+
+Run at 1 rank only (nothing here communicates).
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import grimp
+import pytest
+import tensorflow as tf
+
+from mpi_strategy._src import _tf_internal, effects
+from mpi_strategy._src.distribute.cross_device_ops import MPICrossDeviceOps
+from mpi_strategy._src.distribute.strategy import MPIExtended, MPIStrategy
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.single_process
+
+
+def test_the_import_contracts_hold():
+    """The layers (.importlinter): a new upward import fails here."""
+    lint = shutil.which("lint-imports") or os.path.join(os.path.dirname(sys.executable),
+                                                        "lint-imports")
+    result = subprocess.run([lint, ".importlinter"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    assert "0 broken" in result.stdout
+
+
+def test_no_module_of_the_package_takes_part_in_an_import_cycle():
+    graph = grimp.build_graph("mpi_strategy")
+    cycles = []
+    for importer in sorted(graph.modules):
+        for imported in sorted(graph.find_modules_directly_imported_by(importer)):
+            if graph.chain_exists(importer=imported, imported=importer):
+                cycles.append(f"{importer} -> {imported} -> ... -> {importer}")
+    # (a package's __init__ importing its own modules is not a cycle of the design)
+    cycles = [c for c in cycles if not re.match(r"(\S+) -> \1\.", c)]
+    assert not cycles, "\n".join(cycles)
+
+
+@pytest.mark.parametrize("cls, base", [
+    (MPIExtended, _tf_internal.MirroredExtended),
+    (MPICrossDeviceOps, tf.distribute.CrossDeviceOps),
+    (MPIStrategy, tf.distribute.Strategy),
+])
+def test_every_overridden_private_hook_is_listed_in_the_compat_boundary(cls, base):
+    listed = {name for names in _tf_internal.OVERRIDDEN_HOOKS.values() for name in names}
+    overridden = {name for name in vars(cls) if name.startswith("_")
+                  and not name.startswith("__") and hasattr(base, name)}
+    assert overridden <= listed, f"not in _tf_internal.OVERRIDDEN_HOOKS: {overridden - listed}"
+
+
+def test_every_process_wide_effect_is_in_the_docs_table():
+    with open(os.path.join(REPO, "docs", "concepts.md")) as f:
+        text = f.read()
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    for effect in effects.EFFECTS:
+        assert f"| {effect.what} | {effect.why} | {effect.acts} |" in rows, effect
+    documented = [r for r in rows if r.count("|") == 4 and "what is replaced" not in r]
+    section = text.split("## Process-wide effects", 1)[1].split("\n## ", 1)[0]
+    in_section = [r for r in documented if r in section and not r.startswith("| ---")]
+    assert len(in_section) == len(effects.EFFECTS), in_section
+
+
+def test_install_replaces_each_listed_call_once_and_uninstall_puts_every_original_back():
+    from tensorflow.python.checkpoint import checkpoint
+    installed = effects.installed()
+    assert "Checkpoint._write" in installed and len(installed) == len(set(installed))
+    wrapped = checkpoint.Checkpoint._write
+    effects.install()  # idempotent: nothing is wrapped twice
+    assert checkpoint.Checkpoint._write is wrapped
+    try:
+        effects.uninstall()
+        assert effects.installed() == []
+        assert not hasattr(checkpoint.Checkpoint._write, "__wrapped__")
+    finally:
+        effects.install()
+    assert effects.installed() == installed
