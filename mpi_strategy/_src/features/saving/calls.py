@@ -84,10 +84,13 @@ def write_point_wrapper(function: Callable[..., Any], listed: WriteCall) -> Call
             if _replaced_when_nested(call, path):
                 return _instead(function, bound, call, path)
             return function(*args, **kwargs)
+        if write_point.role() is not None:  # inside an outer listed call: it decided
+            return function(*args, **kwargs)
         written = write_point.NO_OBJECT if listed.of is None else _attribute(bound, listed.of)
         ordered = write_point.applies(path, written)
         if ordered is None:
-            return function(*args, **kwargs)
+            with write_point.not_ours():
+                return function(*args, **kwargs)
         with write_point.write_point(ordered, path, what), _scope_of_model(bound):
             if write_point.role() == write_point.IN_MEMORY:
                 return _instead(function, bound, call, path)
@@ -103,7 +106,7 @@ def _scope_of_model(bound: inspect.BoundArguments) -> contextlib.AbstractContext
     Only in a save every rank makes: creating a variable is a collective.
     (Keras 3 creates nothing there; it saves metric values as MirroredStrategy
     does, from the first replica, outside the scope.)"""
-    model = bound.arguments.get("model")
+    model: Any = bound.arguments.get("model")
     if (tf.distribute.has_strategy() or write_point.alone()
             or not type(model).__module__.startswith("tf_keras.")):
         return contextlib.nullcontext()

@@ -58,8 +58,11 @@ WRITE_DONE = rendezvous_lib.register_kind(Kind(
         "A rank left a save before the others (at the end of a save): the save failed "
         "there (see that rank's own error), and its files are not complete.")))
 
-# What this rank does inside the write point it is in (None: in none).
+# What this rank does inside the write point it is in (None: in none);
+# NOT_OURS: inside a listed call that is not this library's work, whose
+# nested calls (that name no object of their own) are not either.
 WRITES, WRITES_ALONE, IN_MEMORY = "writes", "writes alone", "in memory"
+NOT_OURS = "not this library's work"
 NO_OBJECT = object()  # a call that names no object (a summary writer)
 _ERROR_CHARS = 2000
 
@@ -71,8 +74,20 @@ _topologies: weakref.WeakKeyDictionary[OrderedComm, filesystems.Topology] = (
 
 def role() -> str | None:
     """What this rank does in the write point it is in: WRITES, WRITES_ALONE,
-    IN_MEMORY, or None outside one."""
+    IN_MEMORY, NOT_OURS, or None outside one."""
     return getattr(_local, "role", None)
+
+
+@contextlib.contextmanager
+def not_ours() -> Iterator[None]:
+    """The block is a listed call that is not this library's work: the calls
+    it makes are not write points either."""
+    previous = role()
+    _local.role = NOT_OURS
+    try:
+        yield
+    finally:
+        _local.role = previous
 
 
 def alone() -> bool:
