@@ -23,7 +23,7 @@ import time
 from importlib import metadata
 
 from benchmarks import cost_model, json_objects, load_average, report, timeline_view
-from mpi_strategy._src.core.launch import mpiexec_command, mpiexec_env
+from testing.launch import mpiexec_command, mpiexec_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

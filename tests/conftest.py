@@ -1,20 +1,26 @@
 """Test setup shared by the 1-rank run and the ranks of every mpiexec launch.
 
-Each process gets ``world size x local devices`` logical CPU devices, so the
-reference ``tf.distribute.MirroredStrategy`` over all of them has exactly as
-many replicas as the ``MPIStrategy`` under test has across ranks.
+The one conftest of the suite: it applies to every folder under tests/ (see
+docs/contributing.md for the layout). Each process gets ``world size x local
+devices`` logical CPU devices, so the reference
+``tf.distribute.MirroredStrategy`` over all of them has exactly as many
+replicas as the ``MPIStrategy`` under test has across ranks.
 """
 
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# The shared helpers (mpi_testing) sit here, above the folders of tests.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from mpi4py import MPI  # noqa: E402
 
-LOCAL_DEVICES = int(os.environ.get("MPI_STRATEGY_TEST_LOCAL_DEVICES", "1"))
-WORLD = MPI.COMM_WORLD
+from mpi_testing import LOCAL_DEVICES, WORLD  # noqa: E402
 
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0],
@@ -46,7 +52,6 @@ def pytest_unconfigure(config):
     # A rank whose tests failed ends the whole job: the other ranks may be
     # waiting in a collective of a test this rank never reached.
     if _exit_status[0] not in (0, 5) and WORLD.Get_size() > 1:
-        import sys
         sys.stdout.flush()
         sys.stderr.flush()
         WORLD.Abort(_exit_status[0])

@@ -1,16 +1,34 @@
-"""Helpers for tests that are correct at any world size."""
+"""Helpers shared by the tests: the world under test, and where things are.
+
+The world: ``WORLD`` (all ranks of this launch, 1 in a plain pytest run) with
+``LOCAL_DEVICES`` logical CPU devices per rank (tests/conftest.py creates
+them), and helpers for tests that are correct at any world size. The places:
+the repository, and the child programs that the launcher tests run
+(tests/programs/).
+"""
+
+import os
 
 import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
-from conftest import LOCAL_DEVICES, WORLD
-
 import mpi_strategy
 
+LOCAL_DEVICES = int(os.environ.get("MPI_STRATEGY_TEST_LOCAL_DEVICES", "1"))
+WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
 SIZE = WORLD.Get_size()
 NUM_REPLICAS = SIZE * LOCAL_DEVICES
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+PROGRAMS = os.path.join(TESTS, "programs")
+
+
+def program(name):
+    """The path of the child program ``name`` (tests/programs/NAME)."""
+    return os.path.join(PROGRAMS, name)
 
 
 def local_devices():

@@ -86,7 +86,7 @@ def _summation_order_may_depend_on_message_size():
     the last bit at 3 ranks); MPICH's algorithms add (x0 + x1) + x2 at these
     sizes."""
     from mpi_testing import SIZE
-    from mpi_strategy._src.core.launch import is_open_mpi
+    from testing.launch import is_open_mpi
     return SIZE > 2 and is_open_mpi()
 
 

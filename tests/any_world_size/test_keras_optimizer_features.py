@@ -17,8 +17,7 @@ import pytest
 import tensorflow as tf
 
 from mpi_strategy import MPIStrategyError
-from conftest import LOCAL_DEVICES
-from mpi_testing import NUM_REPLICAS, assert_same_on_all_ranks, computed_on_rank0
+from mpi_testing import LOCAL_DEVICES, NUM_REPLICAS, assert_same_on_all_ranks, computed_on_rank0
 
 FEATURES, CLASSES = 6, 4
 BATCH = 4 * NUM_REPLICAS       # the global batch, the same in the one-process reference

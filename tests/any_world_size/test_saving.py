@@ -6,13 +6,12 @@ nothing to disk), returns on every rank only once that copy is complete (a
 load right after succeeds everywhere), and holds what the model holds. A save
 made on rank 0 alone still works, and one that cannot (it reads a metric, a
 collective) fails with the cause on every rank instead of hanging.
+
+Saving at the end of a program and a kill during a write:
+tests/launchers/test_saving_launched.py.
 """
 
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import keras
 import numpy as np
@@ -20,7 +19,6 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from mpi_strategy._src.core.launch import python_argv, run_mpiexec
 from mpi_testing import NUM_REPLICAS, RANK, SIZE, WORLD, assert_same_on_all_ranks
 
 import mpi_strategy
@@ -309,83 +307,3 @@ def test_only_chief_writes_is_deprecated_and_yields_the_path(shared_dir):
     with pytest.warns(DeprecationWarning):
         with mpi_strategy.only_chief_writes(target) as where:
             assert where == target
-
-
-END_OF_PROGRAM = r"""
-import os, sys
-import numpy as np
-import tensorflow as tf
-import mpi_strategy
-from mpi4py import MPI
-strategy = mpi_strategy.MPIStrategy()
-with strategy.scope():
-    weights = tf.Variable(tf.ones([1000]))
-    metric = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
-                         aggregation=tf.VariableAggregation.SUM)
-strategy.run(lambda: metric.assign_add(1.0))
-if MPI.COMM_WORLD.Get_rank() == 0:   # the others end their program meanwhile
-    if sys.argv[2] == "weights":
-        tf.train.Checkpoint(w=weights).write(os.path.join(sys.argv[1], "ckpt"))
-        print("SAVED", flush=True)
-    else:
-        tf.train.Checkpoint(m=metric).write(os.path.join(sys.argv[1], "ckpt"))
-"""
-
-
-@pytest.mark.single_process
-def test_rank0_saving_alone_at_the_end_of_the_program(tmp_path):
-    script = tmp_path / "end.py"
-    script.write_text(END_OF_PROGRAM)
-    code, out = run_mpiexec(2, python_argv(str(script), str(tmp_path), "weights"), timeout=120)
-    assert code == 0 and "SAVED" in out, out[-3000:]
-    assert os.path.exists(tmp_path / "ckpt.index")
-    # A save that needs the other ranks (a metric) while they have ended: an
-    # error naming both sides, not a hang.
-    code, out = run_mpiexec(2, python_argv(str(script), str(tmp_path), "metric"), timeout=120)
-    assert code != 0, out[-3000:]
-    assert "the end of the program" in out and "saving alone" in out, out[-3000:]
-
-
-KEEP_SAVING = r"""
-import sys, time
-import numpy as np
-import tensorflow as tf
-variable = tf.Variable(np.zeros([4_000_000], np.float32))  # 16 MB per checkpoint
-manager = tf.train.CheckpointManager(tf.train.Checkpoint(v=variable), sys.argv[1], max_to_keep=2)
-step = 0
-while True:
-    step += 1
-    variable.assign(tf.fill([4_000_000], float(step)))
-    manager.save(checkpoint_number=step)
-    print(step, flush=True)
-"""
-
-
-@pytest.mark.single_process
-def test_a_kill_during_checkpoint_writes_leaves_the_latest_checkpoint_usable(tmp_path):
-    def writing(directory):  # a "<name>_temp" directory: a save in progress
-        return any(name.endswith("_temp") for name in os.listdir(directory))
-
-    killed_mid_write = 0
-    for attempt in range(6):
-        directory = str(tmp_path / f"ckpt{attempt}")
-        child = subprocess.Popen([sys.executable, "-c", KEEP_SAVING, directory],
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert child.stdout.readline().strip() == "1"
-        # Kill as soon as a save is seen in progress (not after a fixed sleep,
-        # which on a loaded machine too often lands between two saves).
-        deadline = time.monotonic() + 20
-        while not writing(directory) and time.monotonic() < deadline:
-            time.sleep(0.0005)
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-        killed_mid_write += writing(directory)  # the kill interrupted that save
-
-        latest = tf.train.latest_checkpoint(directory)
-        number = int(latest.rsplit("-", 1)[1])
-        restored = tf.Variable(np.zeros([4_000_000], np.float32))
-        tf.train.Checkpoint(v=restored).restore(latest).assert_existing_objects_matched()
-        np.testing.assert_array_equal(restored.numpy()[[0, -1]], [number, number])
-        if killed_mid_write:
-            break
-    assert killed_mid_write, "no kill landed inside a checkpoint write in 6 attempts"

@@ -1,7 +1,7 @@
-"""mpi_strategy.validation: misuse is reported clearly, on every rank."""
+"""mpi_strategy.validation: misuse is reported clearly, on every rank.
 
-import subprocess
-import sys
+Misuse that needs a program of its own: tests/launchers/test_validation_launched.py.
+"""
 
 import pytest
 from mpi4py import MPI
@@ -25,37 +25,6 @@ def test_check_same_on_all_ranks_raises_everywhere_on_disagreement():
         return
     with pytest.raises(MPIStrategyError, match=r"number of devices per rank differs between ranks"):
         check_same_on_all_ranks(WORLD, RANK, "number of devices per rank")
-
-
-@pytest.mark.single_process
-def test_unequal_devices_per_rank_is_an_error_on_every_rank(tmp_path):
-    from mpi_strategy._src.core.launch import run_mpiexec
-    script = tmp_path / "unequal.py"
-    script.write_text(
-        "import tensorflow as tf\n"
-        "tf.config.set_logical_device_configuration(tf.config.list_physical_devices('CPU')[0],"
-        " [tf.config.LogicalDeviceConfiguration()] * 2)\n"
-        "from mpi4py import MPI\n"
-        "import mpi_strategy\n"
-        "r = MPI.COMM_WORLD.rank\n"
-        "try:\n"
-        "    mpi_strategy.MPIStrategy(devices=['/cpu:0', '/cpu:1'][: r + 1])\n"
-        "except mpi_strategy.MPIStrategyError as e:\n"
-        "    print('rank', r, 'raised:', e, flush=True)\n")
-    code, out = run_mpiexec(2, [sys.executable, str(script)], timeout=120)
-    assert code == 0, out
-    assert out.count("number of devices per rank differs between ranks ([1, 2] by rank)") == 2, out
-
-
-@pytest.mark.single_process
-def test_too_little_thread_support_is_explained():
-    code = (
-        "import mpi4py; mpi4py.rc.thread_level = 'funneled'\n"
-        "import mpi_strategy\n"
-        "mpi_strategy.MPIStrategy()\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "MPI_THREAD_FUNNELED" in proc.stderr and "MPI_THREAD_SERIALIZED" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("variable", ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"])

@@ -41,7 +41,7 @@ A block without a usable marker fails ``test_every_block_has_a_check``, so new
 docs cannot add unchecked code. Failures name the file and line of the block
 (tracebacks of Python blocks point into the .md file itself).
 
-This file is also the runner of Python blocks: ``python test_docs.py PAYLOAD``.
+The runner of Python blocks is tests/programs/doc_blocks.py.
 """
 
 import json
@@ -52,7 +52,13 @@ import subprocess
 import sys
 import textwrap
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import pytest
+
+from mpi_testing import REPO, program
+from testing.launch import is_open_mpi, run_mpiexec
+
+pytestmark = pytest.mark.single_process  # launches processes; MPI-independent otherwise
+
 PAGES = ["README.md"] + sorted(
     os.path.join("docs", name) for name in os.listdir(os.path.join(REPO, "docs"))
     if name.endswith(".md"))
@@ -61,7 +67,8 @@ SHELL_LANGS = {"bash", "sh", "shell", "console"}
 # Scratch directories of shell blocks see these repository directories.
 LINKED_DIRS = ["examples", "benchmarks"]
 SHELL_TIMEOUT = 240
-FAILED = "DOCBLOCK FAILED"
+FAILED = "DOCBLOCK FAILED"  # printed by the runner, tests/programs/doc_blocks.py
+RUNNER = program("doc_blocks.py")
 # Blocks import mpi_strategy from this checkout, as after `pip install -e .`.
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
            PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
@@ -172,66 +179,7 @@ def all_blocks():
     return [b for page in PAGES for b in parse_page(page)]
 
 
-# -- the runner of Python blocks (run as a script, at 1 or N ranks) -------------------------
-def _run_payload(payload_path):
-    """Runs the blocks of each page in one namespace; every rank stops at the first failure."""
-    import traceback
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
-    with open(payload_path) as f:
-        payload = json.load(f)
-    for page in payload["pages"]:
-        os.makedirs(page["cwd"], exist_ok=True)
-        os.chdir(page["cwd"])
-        namespace = {"__name__": "__main__"}
-        _register_source(page)
-        for block in page["blocks"]:
-            chunks = [(code, line) for code, line in block["setups"]] + [(block["code"], block["line"])]
-            error = None
-            print(f"DOCBLOCK START {page['page']}:{block['line']}", flush=True)
-            try:
-                for code, line in chunks:
-                    exec(compile("\n" * (line - 1) + code, page["page"], "exec"), namespace)
-            except SystemExit as exc:
-                if exc.code not in (None, 0):
-                    error = f"SystemExit({exc.code!r})"
-            except BaseException:  # report anything, on every rank, then stop together
-                error = traceback.format_exc()
-            if error is not None:
-                print(f"{FAILED} {page['page']}:{block['line']} on rank {comm.Get_rank()}:\n{error}",
-                      flush=True)
-            if comm.allreduce(error is not None, op=MPI.LOR):
-                return 1
-    return 0
-
-
-def _register_source(page):
-    """Lets inspect / linecache find the blocks' code under the page's name.
-
-    AutoGraph reads a function's source to convert it, and tracebacks quote
-    it; both look the file name up in linecache. The page's code chunks are
-    laid out at their own line numbers (everything else blank).
-    """
-    import linecache
-    lines = []
-    for block in page["blocks"]:
-        for code, line in list(block["setups"]) + [(block["code"], block["line"])]:
-            chunk = code.splitlines(keepends=True)
-            lines.extend(["\n"] * (line - 1 + len(chunk) - len(lines)))
-            lines[line - 1:line - 1 + len(chunk)] = chunk
-    linecache.cache[page["page"]] = (sum(map(len, lines)), None, lines, page["page"])
-
-
 # -- the tests ----------------------------------------------------------------------------------
-if __name__ != "__main__":
-    import pytest
-
-    from mpi_strategy._src.core.launch import is_open_mpi, run_mpiexec
-
-    pytestmark = pytest.mark.single_process  # launches processes; MPI-independent otherwise
-
-
 def _by_mode(mode):
     return [b for b in all_blocks() if b.mode == mode]
 
@@ -295,7 +243,7 @@ def test_python_blocks_run_in_one_process(tmp_path):
     payload, count = _payload(tmp_path, "python")
     if count == 0:
         pytest.skip("no single-process python blocks in the docs")
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(payload)],
+    proc = subprocess.Popen([sys.executable, RUNNER, str(payload)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=REPO, env=ENV, start_new_session=True)
     try:
@@ -310,8 +258,8 @@ def test_python_blocks_run_in_one_process(tmp_path):
 def test_python_blocks_run_on_two_ranks(tmp_path):
     payload, count = _payload(tmp_path, "mpiexec")
     assert count > 0
-    code, out = run_mpiexec(2, [sys.executable, os.path.abspath(__file__), str(payload)],
-                            timeout=300, cwd=REPO, env={"PYTHONPATH": ENV["PYTHONPATH"]})
+    code, out = run_mpiexec(2, [sys.executable, RUNNER, str(payload)],
+                            silence=300, cwd=REPO, env={"PYTHONPATH": ENV["PYTHONPATH"]})
     assert code == 0, _explain(out)
 
 
@@ -435,6 +383,3 @@ def test_syntax_only_blocks(tmp_path):
                 failures.append(f"{b.where}: {out.stderr}")
     assert not failures, "\n".join(failures)
 
-
-if __name__ == "__main__":
-    sys.exit(_run_payload(sys.argv[1]))

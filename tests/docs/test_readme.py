@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from mpi_testing import REPO
 
 
 def _read(*parts):

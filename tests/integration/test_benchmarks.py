@@ -6,15 +6,10 @@ this only checks that the machinery measures and projects sanely.
 
 import math
 import os
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from benchmarks import cost_model  # noqa: E402
+from benchmarks import cost_model  # the repository root is on sys.path (conftest.py)
 
 ALPHA, BETA = 5e-6, 1 / 2e9  # a fake machine: 5 us per message, 2 GB/s
 

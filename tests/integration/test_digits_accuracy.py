@@ -6,17 +6,17 @@ import sys
 
 import pytest
 
-from mpi_strategy._src.core.launch import run_mpiexec
+from mpi_testing import REPO
+from testing.launch import run_mpiexec
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                       "examples", "digits_cnn.py")
+EXAMPLE = os.path.join(REPO, "examples", "digits_cnn.py")
 
 
 @pytest.mark.single_process
 def test_digits_cnn_accuracy_at_every_world_size():
     accuracies = {}
     for ranks in (1, 2, 3):
-        code, out = run_mpiexec(ranks, [sys.executable, EXAMPLE], timeout=240)
+        code, out = run_mpiexec(ranks, [sys.executable, EXAMPLE], silence=240)
         assert code == 0, out[-5000:]
         line = next(l for l in out.splitlines() if '"test_accuracy"' in l)
         result = json.JSONDecoder().raw_decode(line[line.index("{"):])[0]

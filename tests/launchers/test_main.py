@@ -4,12 +4,13 @@ import sys
 
 import pytest
 
-from mpi_strategy._src.core.launch import run_mpiexec
+from mpi_testing import program
+from testing.launch import run_mpiexec
 
 
 @pytest.mark.single_process
 def test_diagnostics_report_every_rank_and_a_working_collective():
-    code, out = run_mpiexec(2, [sys.executable, "-m", "mpi_strategy"], timeout=120)
+    code, out = run_mpiexec(2, [sys.executable, "-m", "mpi_strategy"], silence=120)
     assert code == 0, out[-3000:]
     assert "on 2 rank(s)" in out and "RESULT: ok" in out, out[-3000:]
     for rank in (0, 1):
@@ -19,38 +20,12 @@ def test_diagnostics_report_every_rank_and_a_working_collective():
 
 
 # Rank 1 is made to report a wrong sum (and a non-ASCII host name); mpi4py's
-# pickle is replaced by one that fails, so any pickled message fails the run.
-NO_PICKLES_AND_A_FAILING_RANK = r"""
-import runpy, socket, sys
-from mpi4py import MPI
-
-def no_pickles(*args, **kwargs):
-    raise AssertionError("mpi4py pickled a message")
-
-MPI.pickle.__init__(no_pickles, no_pickles)
-rank = MPI.COMM_WORLD.Get_rank()
-if rank == 1:
-    socket.gethostname = lambda: "h\u00f4st-\u2603"
-
-import mpi_strategy
-
-class OffByOneOnRank1(mpi_strategy.MPIStrategy):
-    @property
-    def num_replicas_in_sync(self):
-        return super().num_replicas_in_sync + (rank == 1)
-
-mpi_strategy.MPIStrategy = OffByOneOnRank1
-sys.argv = ["mpi_strategy"]
-runpy.run_module("mpi_strategy", run_name="__main__")
-"""
-
-
+# pickle is replaced by one that fails, so any pickled message fails the run
+# (tests/programs/diagnostics_without_pickles.py).
 @pytest.mark.single_process
-def test_diagnostics_send_no_pickles_and_name_the_failing_rank(tmp_path):
-    script = tmp_path / "diagnose.py"
-    script.write_text(NO_PICKLES_AND_A_FAILING_RANK, encoding="utf-8")
-    code, out = run_mpiexec(2, [sys.executable, str(script)], timeout=120,
-                            env={"PYTHONIOENCODING": "utf-8"})
+def test_diagnostics_send_no_pickles_and_name_the_failing_rank():
+    code, out = run_mpiexec(2, [sys.executable, program("diagnostics_without_pickles.py")],
+                            silence=120, env={"PYTHONIOENCODING": "utf-8"})
     assert code != 0, out[-3000:]
     assert "mpi4py pickled" not in out, out[-3000:]
     assert "RESULT: FAILED on ranks [1]" in out, out[-3000:]

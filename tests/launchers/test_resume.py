@@ -24,7 +24,8 @@ promptly (MPICH's launcher kills the other ranks).
 
 Three launches: [custom killed], [custom resumed, custom uninterrupted, Keras
 killed], [Keras resumed, Keras uninterrupted]. The uninterrupted reference runs
-in the same kind of 2-rank job; weights must agree within 1e-6.
+in the same kind of 2-rank job; weights must agree within 1e-6. The job:
+tests/programs/resume_job.py.
 """
 
 import os
@@ -36,125 +37,14 @@ import time
 import numpy as np
 import pytest
 
-from mpi_strategy._src.core.launch import is_open_mpi, run_mpiexec
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from mpi_testing import REPO, program
+from testing.launch import is_open_mpi, run_mpiexec
 
 # Custom loop: STEPS steps, a checkpoint every CKPT_EVERY steps.
 STEPS, CKPT_EVERY = 12, 3
 # Keras: EPOCHS epochs of BATCHES_PER_EPOCH batches.
 EPOCHS, BATCHES_PER_EPOCH = 4, 5
 KILL_DEADLINE = 30.0  # seconds from the kill to the end of the job
-
-JOB = r"""
-import json, os, signal, sys, time
-import numpy as np
-import tensorflow as tf
-import mpi_strategy
-from mpi4py import MPI
-
-tf.config.threading.set_intra_op_parallelism_threads(1)  # bitwise-reproducible runs
-STEPS, CKPT_EVERY, EPOCHS, BATCHES_PER_EPOCH = (int(a) for a in sys.argv[2:6])
-WORKDIR = sys.argv[1]
-GLOBAL_BATCH = 8
-strategy = mpi_strategy.MPIStrategy()
-rank = MPI.COMM_WORLD.Get_rank()
-
-
-def report(**fields):
-    print("REPORT " + json.dumps(dict(rank=rank, **fields)), flush=True)
-
-
-def kill_myself(step):
-    report(event="kill", step=step, time=time.time())
-    time.sleep(0.2)  # lets the launcher forward the line above
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def deterministic_weights(model):
-    model.set_weights([np.sin(np.arange(w.size) * 0.7 + 1.0).reshape(w.shape).astype(np.float32)
-                       * 0.4 for w in model.get_weights()])
-
-
-def examples(start_step):
-    # One fixed stream of examples; resuming at `start_step` skips what the
-    # first `start_step` global batches consumed, then shards by rank.
-    n = STEPS * GLOBAL_BATCH
-    ds = tf.data.Dataset.range(n).skip(start_step * GLOBAL_BATCH)
-    ds = ds.map(lambda i: (tf.stack([tf.sin(tf.cast(i, tf.float32)),
-                                     tf.cos(tf.cast(i, tf.float32) * 0.3), 1.0]),
-                           tf.cast(i % 5, tf.float32) * 0.2))
-    return strategy.experimental_distribute_dataset(ds.batch(GLOBAL_BATCH))
-
-
-def custom(ckpt_dir, kill_step):
-    with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(4, "tanh"),
-                                     tf.keras.layers.Dense(1)])
-        deterministic_weights(model)
-        optimizer = tf.keras.optimizers.Adam(0.05)
-        optimizer.build(model.trainable_variables)
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-    latest = tf.train.latest_checkpoint(ckpt_dir)
-    if latest:  # every rank restores
-        checkpoint.restore(latest).assert_existing_objects_matched()
-    start = int(optimizer.iterations.numpy())
-    report(event="start", variant="custom", start_step=start)
-
-    @tf.function
-    def train_step(batch):
-        def replica_step(x, y):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum((model(x)[:, 0] - y) ** 2) / GLOBAL_BATCH
-            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                          model.trainable_variables))
-        strategy.run(replica_step, args=batch)
-
-    for step, batch in enumerate(examples(start), start=start + 1):
-        train_step(batch)
-        if step % CKPT_EVERY == 0:  # every rank saves, rank 0 writes
-            tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=2).save(
-                checkpoint_number=step)
-        if rank == 1 and step == kill_step:
-            kill_myself(step)
-    return model
-
-
-def keras(backup_dir, kill_step):
-    import keras
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
-                                  keras.layers.Dense(1)])
-        deterministic_weights(model)
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
-    n = BATCHES_PER_EPOCH * GLOBAL_BATCH  # the same examples every epoch
-    i = np.arange(n, dtype=np.float32)
-    x = np.stack([np.sin(i), np.cos(i * 0.3), np.ones_like(i)], axis=1)
-    y = (np.arange(n) % 5 * 0.2).astype(np.float32)
-
-    class KillAt(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-        def on_train_batch_end(self, batch, logs=None):
-            if rank == 1 and self.epoch * BATCHES_PER_EPOCH + batch + 1 == kill_step:
-                kill_myself(kill_step)
-
-    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                        callbacks=[keras.callbacks.BackupAndRestore(backup_dir), KillAt()])
-    report(event="fitted", variant="keras", epochs_run=len(history.history["loss"]))
-    return model
-
-
-# Each further argument is one run: variant:directory:kill_step (0: no kill).
-for run in sys.argv[6:]:
-    variant, name, kill_step = run.split(":")
-    model = {"custom": custom, "keras": keras}[variant](
-        os.path.join(WORKDIR, f"{variant}-{name}"), int(kill_step))
-    if rank == 0:
-        np.savez(os.path.join(WORKDIR, f"{variant}-{name}.npz"), *model.get_weights())
-    report(event="done", variant=variant, name=name)
-"""
 
 
 def _reports(out):
@@ -165,11 +55,11 @@ def _reports(out):
 
 
 def _launch(workdir, runs, expect_kill):
-    argv = [sys.executable, str(workdir / "job.py"), str(workdir),
+    argv = [sys.executable, program("resume_job.py"), str(workdir),
             str(STEPS), str(CKPT_EVERY), str(EPOCHS), str(BATCHES_PER_EPOCH), *runs]
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     started = time.time()
-    code, out = run_mpiexec(2, argv, timeout=180, env=env)
+    code, out = run_mpiexec(2, argv, silence=180, env=env)
     ended = time.time()
     print(f"launch {runs}: {ended - started:.1f} s")
     reports = _reports(out)
@@ -211,7 +101,6 @@ def test_killed_jobs_resume_to_the_uninterrupted_weights(tmp_path):
     what = (f"seed {seed}: custom loop killed after step {custom_kill}, "
             f"Keras after step {keras_kill}")
     print(what)
-    (tmp_path / "job.py").write_text(JOB)
 
     _launch(tmp_path, [f"custom:run:{custom_kill}"], expect_kill=True)
     reports, out = _launch(tmp_path, ["custom:run:0", "custom:reference:0",

@@ -1,30 +1,40 @@
-"""Runs this whole test suite again under mpiexec: 2 ranks, 3 ranks, 2 ranks x 2 devices.
+"""Runs tests/any_world_size again under mpiexec: 2 ranks, 3 ranks, 2 ranks x 2 devices.
 
-Every test module is written to be correct at any world size; here each rank
-runs pytest on the same files, so many checks share one TensorFlow start-up.
+Every test module there is written to be correct at any world size; here each
+rank runs pytest on the same files, so many checks share one TensorFlow
+start-up. pytest -q prints a dot per test, so a launch that stops printing
+for SILENCE seconds is stuck (every test there takes far less), however
+long the whole run takes on a loaded machine.
 """
 
 import os
+import time
 
 import pytest
 
-from mpi_strategy._src.core.launch import python_argv, run_mpiexec
+from mpi_testing import REPO, TESTS
+from testing.launch import DEFAULT_SILENCE, python_argv, run_mpiexec
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(TESTS_DIR)
+ANY_WORLD_SIZE = os.path.join(TESTS, "any_world_size")
+SILENCE = DEFAULT_SILENCE
 
 
 @pytest.mark.single_process
 @pytest.mark.parametrize("ranks,local_devices", [(2, 1), (3, 1), (2, 2)],
                          ids=["2ranks", "3ranks", "2ranks-x-2devices"])
 def test_suite_under_mpiexec(ranks, local_devices, tmp_path):
+    arrivals = []  # when each line of output came: the longest gap is printed
     code, out = run_mpiexec(
         ranks,
-        python_argv("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", TESTS_DIR),
+        python_argv("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", ANY_WORLD_SIZE),
+        silence=SILENCE,
         env={"MPI_STRATEGY_TEST_LOCAL_DEVICES": str(local_devices),
              "MPI_STRATEGY_TEST_REPORT_DIR": str(tmp_path)},
-        cwd=REPO)
+        cwd=REPO, each_line=lambda line: arrivals.append(time.monotonic()))
     print(out)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    print(f"longest gap between two lines of output: {max(gaps, default=0):.1f} s "
+          f"(a launch is killed after {SILENCE:g} s without any output)")
     assert code == 0, f"mpiexec -n {ranks} (x{local_devices} devices) failed:\n{out[-20000:]}"
     reports = {}
     for rank in range(ranks):

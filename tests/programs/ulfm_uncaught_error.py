@@ -1,4 +1,4 @@
-"""Run by tests/test_elastic.py under ULFM: rank ``--rank`` raises an uncaught
+"""Run by tests/launchers/test_elastic.py under ULFM: rank ``--rank`` raises an uncaught
 error at step ``--step``; the others must not wait for it. ``--elastic``: the
 loop runs inside elastic.run (the others go on without the rank), else the job
 ends with a non-zero status. ``--killed-before-strategy``: the rank is SIGKILLed

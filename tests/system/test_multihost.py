@@ -1,4 +1,4 @@
-"""The same program across "hosts": network namespaces joined by TCP (tests/netns_cluster.py).
+"""The same program across "hosts": network namespaces joined by TCP (testing/netns_cluster.py).
 
 Launches the real MPICH hydra ``mpiexec`` with ranks on namespace hosts and
 checks that (1) training gives the results of a single-host run with as many
@@ -25,8 +25,9 @@ import time
 import numpy as np
 import pytest
 
-import netns_cluster
-from mpi_strategy._src.core.launch import is_open_mpi, run_mpiexec
+from mpi_testing import PROGRAMS
+from testing import netns_cluster
+from testing.launch import is_open_mpi, run_mpiexec
 
 pytestmark = pytest.mark.single_process
 
@@ -39,144 +40,11 @@ KILL_DEADLINE_S = 30
 # and Keras's temporary directory in /tmp on every .keras save (~8-16 KiB).
 FIRST_CALL_BYTES = 64 << 10
 
-# One program for every launch. Each rank writes its losses, weights, host and
-# the collectives it issued (counted by a COMM_WORLD wrapper) to --out.
-PROGRAM = r'''
-import argparse, json, os, socket, subprocess, sys, time
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import numpy as np
-from mpi4py import MPI
-import tensorflow as tf
-tf.config.threading.set_intra_op_parallelism_threads(1)
-import mpi_strategy
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--out", required=True)
-parser.add_argument("--steps", type=int, required=True)
-parser.add_argument("--phases", default="[]")   # JSON: [{"name", "commands"}]: timed shaping phases
-parser.add_argument("--timed-steps", type=int, default=6)
-parser.add_argument("--warmup-steps", type=int, default=2)
-parser.add_argument("--until-killed", action="store_true")
-parser.add_argument("--compression", default=None)
-args = parser.parse_args()
-
-
-def nbytes(buf):
-    """Bytes in an mpi4py buffer argument (an array, or [array, ...])."""
-    return memoryview(buf[0] if isinstance(buf, (list, tuple)) else buf).nbytes
-
-
-class CountingComm(MPI.Intracomm):
-    """COMM_WORLD that logs each collective the strategy issues, with the bytes
-    this rank contributes (blocking and nonblocking forms alike)."""
-    log = []
-
-    def _log(self, name, sendbuf, recvbuf=None):
-        self.log.append([name, nbytes(recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)])
-
-    def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
-        self._log("Allreduce", sendbuf, recvbuf)
-        return super().Allreduce(sendbuf, recvbuf, op)
-
-    def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
-        self._log("Allreduce", sendbuf, recvbuf)
-        return super().Iallreduce(sendbuf, recvbuf, op)
-
-    def Allgather(self, sendbuf, recvbuf):
-        self._log("Allgather", sendbuf, recvbuf)
-        return super().Allgather(sendbuf, recvbuf)
-
-    def Iallgather(self, sendbuf, recvbuf):
-        self._log("Allgather", sendbuf, recvbuf)
-        return super().Iallgather(sendbuf, recvbuf)
-
-    def Allgatherv(self, sendbuf, recvbuf):
-        self._log("Allgatherv", sendbuf, recvbuf)
-        return super().Allgatherv(sendbuf, recvbuf)
-
-    def Alltoall(self, sendbuf, recvbuf):
-        self._log("Alltoall", sendbuf, recvbuf)
-        return super().Alltoall(sendbuf, recvbuf)
-
-    def Bcast(self, buf, root=0):
-        self._log("Bcast", buf)
-        return super().Bcast(buf, root)
-
-    def Ibcast(self, buf, root=0):
-        self._log("Bcast", buf)
-        return super().Ibcast(buf, root)
-
-
-world = MPI.COMM_WORLD
-rank, size = world.Get_rank(), world.Get_size()
-comm = CountingComm(world)
-tf.keras.utils.set_random_seed(1)
-strategy = mpi_strategy.MPIStrategy(comm=comm, compression=args.compression)
-
-rng = np.random.default_rng(0)
-images = rng.random((2048, 784)).astype(np.float32)
-labels = np.argmax(images @ rng.standard_normal((784, 10)), axis=1)  # learnable
-global_batch = 16 * size
-dataset = tf.data.Dataset.from_tensor_slices((images, labels)).repeat().batch(global_batch)
-batches = iter(strategy.experimental_distribute_dataset(dataset))
-
-with strategy.scope():
-    model = tf.keras.Sequential([tf.keras.Input((784,)),
-                                 tf.keras.layers.Dense(128, activation="relu"),
-                                 tf.keras.layers.Dense(10)])
-    optimizer = tf.keras.optimizers.Adam(1e-3)
-loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-
-
-def replica_step(x, y):
-    with tf.GradientTape() as tape:
-        loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)),
-                                          global_batch_size=global_batch)
-    grads = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
-
-
-@tf.function
-def train_step(batch):
-    return strategy.reduce("SUM", strategy.run(replica_step, args=batch), axis=None)
-
-
-def step():
-    return float(train_step(next(batches)))
-
-
-losses = [step() for _ in range(args.steps)]
-node = world.Split_type(MPI.COMM_TYPE_SHARED)
-result = {"rank": rank, "host": socket.gethostname(), "ranks_on_node": node.Get_size(),
-          "losses": losses, "phases": []}
-np.savez(os.path.join(args.out, f"weights{rank}.npz"), *model.get_weights())
-
-for phase in json.loads(args.phases):
-    for command in phase["commands"]:  # shapes this host's own link
-        subprocess.run(command, check=True, timeout=60)
-    world.Barrier()
-    for _ in range(args.warmup_steps):
-        step()
-    del CountingComm.log[:]
-    times = []
-    for _ in range(args.timed_steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    result["phases"].append({"name": phase["name"], "step_times": times,
-                             "collectives": list(CountingComm.log)})
-
-with open(os.path.join(args.out, f"result{rank}.json"), "w") as f:
-    json.dump(result, f)
-world.Barrier()
-if args.until_killed:
-    if rank == 0:
-        open(os.path.join(args.out, "training_until_killed"), "w").close()
-    deadline = time.monotonic() + 120  # never hang a test run forever
-    while time.monotonic() < deadline:
-        step()
-'''
+# One program for every launch but the saving one: each rank writes its
+# losses, weights, host and the collectives it issued (counted by a COMM_WORLD
+# wrapper) to --out.
+PROGRAM = os.path.join(PROGRAMS, "multihost_training.py")
+SAVE_PROGRAM = os.path.join(PROGRAMS, "multihost_saving.py")
 
 
 # -- fixtures ----------------------------------------------------------------------------------
@@ -203,14 +71,13 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def program(tmp_path_factory):
-    path = tmp_path_factory.mktemp("multihost") / "train.py"
-    path.write_text(PROGRAM)
-    return str(path)
+def program():
+    """The program of every launch but the saving one."""
+    return PROGRAM
 
 
-def _launch(n, program, out_dir, extra_args=(), cluster=None, timeout=240, during=None):
-    """Runs PROGRAM on n ranks (one per namespace host if ``cluster``), returns run info."""
+def _launch(n, program, out_dir, extra_args=(), cluster=None, silence=240, during=None):
+    """Runs ``program`` on n ranks (one per namespace host if ``cluster``), returns run info."""
     os.makedirs(out_dir, exist_ok=True)
     argv = [sys.executable, program, "--out", out_dir, "--steps", str(TRAIN_STEPS), *extra_args]
     env = {}
@@ -224,7 +91,7 @@ def _launch(n, program, out_dir, extra_args=(), cluster=None, timeout=240, durin
         watcher.start()
     start = time.monotonic()
     try:
-        code, out = run_mpiexec(n, argv, timeout=timeout, env=env)
+        code, out = run_mpiexec(n, argv, silence=silence, env=env)
     finally:
         launched.set()
     info = {"code": code, "out": out, "ended": time.monotonic(), "seconds": time.monotonic() - start}
@@ -314,7 +181,7 @@ def three_hosts(cluster, program, tmp_path_factory):
         killed["at"] = time.monotonic()
 
     info = _launch(3, program, out_dir, cluster=cluster, extra_args=["--until-killed"],
-                   during=kill_host_1_mid_training, timeout=240)
+                   during=kill_host_1_mid_training, silence=240)
     info["killed"] = killed
     info["victim"] = victim
     # mpiexec may return while a SIGKILLed rank is still being torn down:
@@ -324,7 +191,7 @@ def three_hosts(cluster, program, tmp_path_factory):
         left = {h: [f"{pid} {_comm(pid)}" for pid in cluster.pids(h)] for h in cluster.hosts}
         left = {h: pids for h, pids in left.items() if pids}
         left_in_root = [f"{pid} {_cmdline(pid)}" for pid in _all_pids()
-                        if program in _cmdline(pid)]
+                        if out_dir in _cmdline(pid)]
         if (not left and not left_in_root) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -530,90 +397,7 @@ def test_killing_one_host_ends_the_job(three_hosts):
 
 # -- 4. saving on a shared filesystem and on node-local disks -----------------------------------
 # Every rank runs the same saves with the same paths, then loads what it saved
-# from its own view of the path. Each rank writes its report to --out.
-SAVE_PROGRAM = r"""
-import argparse, json, os, socket
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import numpy as np
-from mpi4py import MPI
-import tensorflow as tf
-tf.config.threading.set_intra_op_parallelism_threads(1)
-import keras
-import mpi_strategy
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--out", required=True)
-parser.add_argument("--dirs", nargs="+", required=True)   # place=directory
-args = parser.parse_args()
-world = MPI.COMM_WORLD
-rank, size = world.Get_rank(), world.Get_size()
-FEATURES, UNITS = 256, 1024  # ~1 MB of weights, ~3 MB with Adam's slots: a copy stands out
-
-
-def written_bytes():
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
-
-
-def new_model():
-    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(UNITS, activation="relu"),
-                             keras.layers.Dense(2)])
-
-
-strategy = mpi_strategy.MPIStrategy()
-with strategy.scope():
-    model = new_model()
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-batch = 2 * size
-x = np.linspace(0, 1, batch * FEATURES, dtype=np.float32).reshape(batch, FEATURES)
-model.fit(x, np.ones((batch, 2), np.float32), batch_size=batch, epochs=1, verbose=0)
-expected = model.get_weights()
-
-
-def save_checkpoint(directory):
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
-    tf.train.CheckpointManager(checkpoint, os.path.join(directory, "ckpt"), 1).save()
-
-
-def load_checkpoint(directory):
-    # Into a model of this rank alone: a load never meets the other ranks.
-    path = tf.train.latest_checkpoint(os.path.join(directory, "ckpt"))
-    if path is None:
-        raise FileNotFoundError(f"no checkpoint in {directory}/ckpt")
-    fresh = new_model()
-    status = tf.train.Checkpoint(model=fresh).restore(path).expect_partial()
-    status.assert_existing_objects_matched()
-    return fresh.get_weights()
-
-
-def save_keras(directory):
-    model.save(os.path.join(directory, "x.keras"))
-
-
-def load_keras(directory):
-    return keras.models.load_model(os.path.join(directory, "x.keras")).get_weights()
-
-
-SAVES = {"CheckpointManager.save": (save_checkpoint, load_checkpoint),
-         "keras.Model.save": (save_keras, load_keras)}
-node = world.Split_type(MPI.COMM_TYPE_SHARED)
-report = {"rank": rank, "host": socket.gethostname(), "node_rank": node.Get_rank(),
-          "node_size": node.Get_size(), "saves": {}}
-for place, directory in (d.split("=", 1) for d in args.dirs):
-    for name, (save, load) in SAVES.items():
-        before = written_bytes()
-        save(directory)
-        entry = {"write_bytes": written_bytes() - before, "loaded": False}
-        try:
-            weights = load(directory)
-            entry["loaded"] = len(weights) == len(expected) and all(
-                np.array_equal(a, b) for a, b in zip(weights, expected))
-        except Exception as e:  # reported; the test fails on it
-            entry["error"] = f"{type(e).__name__}: {e}"[:500]
-        report["saves"][f"{place} {name}"] = entry
-with open(os.path.join(args.out, f"report{rank}.json"), "w") as f:
-    json.dump(report, f)
-"""
+# from its own view of the path (tests/programs/multihost_saving.py).
 RANKS_PER_HOST = 2
 
 
@@ -627,14 +411,12 @@ def test_save_lands_once_per_filesystem_shared_and_node_local(tmp_path):
     shared, local, out = tmp_path / "shared", tmp_path / "local", tmp_path / "out"
     shared.mkdir()
     out.mkdir()
-    program = tmp_path / "save.py"
-    program.write_text(SAVE_PROGRAM)
     hosts = _new_cluster(2, private_dirs=(str(local),))
     try:
         n = hosts.n_hosts * RANKS_PER_HOST
         argv = [*hosts.mpiexec_args(ranks_per_host=RANKS_PER_HOST), sys.executable,
-                str(program), "--out", str(out), "--dirs", f"shared={shared}", f"local={local}"]
-        code, output = run_mpiexec(n, argv, timeout=300, env=hosts.mpi_env())
+                SAVE_PROGRAM, "--out", str(out), "--dirs", f"shared={shared}", f"local={local}"]
+        code, output = run_mpiexec(n, argv, silence=300, env=hosts.mpi_env())
         assert code == 0, output[-5000:]
         reports = [json.loads((out / f"report{r}.json").read_text()) for r in range(n)]
         copies = {"shared": {"all": _files(shared)}, "local": {

@@ -12,6 +12,7 @@ line. An exception ends that tutorial only. The ranks then wait for each other
 (``TUTORIAL_SYNC_TIMEOUT`` seconds, default 20): a rank still inside the
 tutorial by then is stuck (in a collective that a failed rank will never
 join), and the job is aborted; the result files say which tutorials finished.
+Run by tests/integration/test_tutorials.py.
 """
 
 import argparse

@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from mpi_testing import NUM_REPLICAS, REPO
 from testing.launch import run_mpiexec
-from mpi_testing import NUM_REPLICAS
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
 # The examples import mpi_strategy from this checkout, wherever it is installed.
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
@@ -37,7 +36,7 @@ def run_example(script, args):
 @pytest.mark.single_process
 @pytest.mark.parametrize("script,args,expected", [
     ("keras_fit.py", ["--epochs", "1"], "test loss"),
-    # Without ULFM or a failure it is a plain run (the kills: tests/test_elastic.py).
+    # Without ULFM or a failure it is a plain run (the kills: tests/launchers/test_elastic.py).
     ("elastic_custom_loop.py", ["--steps", "20"], '"ranks_at_start": 2, "ranks_at_end": 2'),
     ("elastic_keras_fit.py", ["--epochs", "2"], '"ranks_at_start": 2, "ranks_at_end": 2'),
 ])
@@ -85,7 +84,7 @@ def test_paper_workload_trains_on_two_ranks(script):
 
 # -- the --data readers, on tiny files in the real formats -----------------------
 # They run once, outside mpiexec: the readers involve no MPI, and the last test
-# checks what Keras hands to the strategy (tests/test_strategy.py checks the
+# checks what Keras hands to the strategy (tests/any_world_size/test_strategy.py checks the
 # all-gather of IndexedSlices at every world size).
 
 def _batches(dataset, parse, size=100):

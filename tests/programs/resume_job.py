@@ -1,0 +1,118 @@
+"""Run by tests/launchers/test_resume.py on 2 ranks:
+``python resume_job.py WORKDIR STEPS CKPT_EVERY EPOCHS BATCHES_PER_EPOCH RUN...``.
+
+Each RUN is ``variant:name:kill_step`` (variant ``custom`` or ``keras``;
+kill_step 0: no kill): a custom loop with a CheckpointManager, or Keras fit
+with BackupAndRestore, in WORKDIR/variant-name, where rank 1 SIGKILLs itself
+after step kill_step. Each rank prints REPORT lines (JSON) and rank 0 saves
+the final weights. Relaunched, a killed run resumes; the test shows that it
+ends with the weights of an uninterrupted run.
+"""
+
+import json, os, signal, sys, time
+import numpy as np
+import tensorflow as tf
+import mpi_strategy
+from mpi4py import MPI
+
+tf.config.threading.set_intra_op_parallelism_threads(1)  # bitwise-reproducible runs
+STEPS, CKPT_EVERY, EPOCHS, BATCHES_PER_EPOCH = (int(a) for a in sys.argv[2:6])
+WORKDIR = sys.argv[1]
+GLOBAL_BATCH = 8
+strategy = mpi_strategy.MPIStrategy()
+rank = MPI.COMM_WORLD.Get_rank()
+
+
+def report(**fields):
+    print("REPORT " + json.dumps(dict(rank=rank, **fields)), flush=True)
+
+
+def kill_myself(step):
+    report(event="kill", step=step, time=time.time())
+    time.sleep(0.2)  # lets the launcher forward the line above
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def deterministic_weights(model):
+    model.set_weights([np.sin(np.arange(w.size) * 0.7 + 1.0).reshape(w.shape).astype(np.float32)
+                       * 0.4 for w in model.get_weights()])
+
+
+def examples(start_step):
+    # One fixed stream of examples; resuming at `start_step` skips what the
+    # first `start_step` global batches consumed, then shards by rank.
+    n = STEPS * GLOBAL_BATCH
+    ds = tf.data.Dataset.range(n).skip(start_step * GLOBAL_BATCH)
+    ds = ds.map(lambda i: (tf.stack([tf.sin(tf.cast(i, tf.float32)),
+                                     tf.cos(tf.cast(i, tf.float32) * 0.3), 1.0]),
+                           tf.cast(i % 5, tf.float32) * 0.2))
+    return strategy.experimental_distribute_dataset(ds.batch(GLOBAL_BATCH))
+
+
+def custom(ckpt_dir, kill_step):
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(4, "tanh"),
+                                     tf.keras.layers.Dense(1)])
+        deterministic_weights(model)
+        optimizer = tf.keras.optimizers.Adam(0.05)
+        optimizer.build(model.trainable_variables)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    latest = tf.train.latest_checkpoint(ckpt_dir)
+    if latest:  # every rank restores
+        checkpoint.restore(latest).assert_existing_objects_matched()
+    start = int(optimizer.iterations.numpy())
+    report(event="start", variant="custom", start_step=start)
+
+    @tf.function
+    def train_step(batch):
+        def replica_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum((model(x)[:, 0] - y) ** 2) / GLOBAL_BATCH
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                          model.trainable_variables))
+        strategy.run(replica_step, args=batch)
+
+    for step, batch in enumerate(examples(start), start=start + 1):
+        train_step(batch)
+        if step % CKPT_EVERY == 0:  # every rank saves, rank 0 writes
+            tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=2).save(
+                checkpoint_number=step)
+        if rank == 1 and step == kill_step:
+            kill_myself(step)
+    return model
+
+
+def keras(backup_dir, kill_step):
+    import keras
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        deterministic_weights(model)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    n = BATCHES_PER_EPOCH * GLOBAL_BATCH  # the same examples every epoch
+    i = np.arange(n, dtype=np.float32)
+    x = np.stack([np.sin(i), np.cos(i * 0.3), np.ones_like(i)], axis=1)
+    y = (np.arange(n) % 5 * 0.2).astype(np.float32)
+
+    class KillAt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if rank == 1 and self.epoch * BATCHES_PER_EPOCH + batch + 1 == kill_step:
+                kill_myself(kill_step)
+
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                        callbacks=[keras.callbacks.BackupAndRestore(backup_dir), KillAt()])
+    report(event="fitted", variant="keras", epochs_run=len(history.history["loss"]))
+    return model
+
+
+# Each further argument is one run: variant:directory:kill_step (0: no kill).
+for run in sys.argv[6:]:
+    variant, name, kill_step = run.split(":")
+    model = {"custom": custom, "keras": keras}[variant](
+        os.path.join(WORKDIR, f"{variant}-{name}"), int(kill_step))
+    if rank == 0:
+        np.savez(os.path.join(WORKDIR, f"{variant}-{name}.npz"), *model.get_weights())
+    report(event="done", variant=variant, name=name)
