@@ -13,15 +13,19 @@ binding) <- ``features`` (saving, Keras, elastic) <- ``effects`` (the one
 installer of process-wide effects).
 """
 
+from mpi_strategy import compression, elastic, errors, timeline
 from mpi_strategy._src import effects as _effects
 from mpi_strategy._src.distribute.cluster_resolver import MPIClusterResolver
 from mpi_strategy._src.distribute.cross_device_ops import MPICrossDeviceOps
 from mpi_strategy._src.distribute.strategy import MPIStrategy
 from mpi_strategy._src.features.saving.calls import only_chief_writes  # (deprecated)
-from mpi_strategy import compression, elastic, errors, timeline
 from mpi_strategy.errors import (
-    CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError, RanksLostError,
-    TooFewRanksError)
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    MPIStrategyError,
+    RanksLostError,
+    TooFewRanksError,
+)
 
 for _public in (MPIStrategy, MPICrossDeviceOps, MPIClusterResolver):
     _public.__module__ = "mpi_strategy"  # what reprs, tracebacks and the docs name
@@ -31,5 +35,6 @@ _effects.install()
 __version__ = "0.1.0"
 
 __all__ = ["MPIStrategy", "MPICrossDeviceOps", "MPIClusterResolver", "MPIStrategyError",
-           "CollectiveMismatchError", "CollectiveTimeoutError", "RanksLostError", "TooFewRanksError",
-           "compression", "elastic", "errors", "timeline", "only_chief_writes"]
+           "CollectiveMismatchError", "CollectiveTimeoutError", "RanksLostError",
+           "TooFewRanksError", "compression", "elastic", "errors", "timeline",
+           "only_chief_writes"]

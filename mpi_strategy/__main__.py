@@ -11,14 +11,20 @@ Gatherv of UTF-8 text), never as pickles, like everything else mpi_strategy
 sends.
 """
 
+from __future__ import annotations
+
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def main():
+def main() -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -30,30 +36,32 @@ def main():
               "thread_level": levels.get(MPI.Query_thread(), "?")}
     try:
         import tensorflow as tf
+
         import mpi_strategy
 
         report["tensorflow"] = tf.__version__
         strategy = mpi_strategy.MPIStrategy()
         report["devices"] = ",".join(d.split("/")[-1] for d in strategy.extended.worker_devices)
 
-        def replica_value():
+        def replica_value() -> Any:
             replica = tf.distribute.get_replica_context().replica_id_in_sync_group
             return tf.cast(replica, tf.float64) + 1.0
 
         @tf.function
-        def global_sum():
+        def global_sum() -> Any:
             return strategy.reduce("SUM", strategy.run(replica_value), axis=None)
 
         n = strategy.num_replicas_in_sync
         got = float(global_sum())
         report["allreduce"] = "ok" if got == n * (n + 1) / 2 else f"WRONG ({got})"
-    except Exception as exc:  # report every failure; the verdict says which rank
+    except Exception as exc:  # noqa: BLE001 - report every failure; the verdict says which rank
         report["allreduce"] = f"FAILED: {type(exc).__name__}: {exc}"
 
     passed = report["allreduce"] == "ok"
     lines = _gather_lines(comm, "  ".join(f"{k}={v}" for k, v in report.items()), passed)
     if rank != 0:
         return 0 if passed else 1
+    assert lines is not None  # (rank 0)
     print(f"mpi_strategy {_version()} on {size} rank(s)")
     for line, _ in lines:
         print(line)
@@ -62,7 +70,7 @@ def main():
     return 1 if failed else 0
 
 
-def _gather_lines(comm, line, passed):
+def _gather_lines(comm: MPI.Intracomm, line: str, passed: bool) -> list[tuple[str, bool]] | None:
     """On rank 0, every rank's ``(line, passed)`` in rank order (None elsewhere).
 
     Byte buffers, not pickles: a Gather of (length, passed), then a Gatherv of
@@ -78,6 +86,7 @@ def _gather_lines(comm, line, passed):
     if comm.Get_rank() != 0:
         comm.Gatherv(data, None, root=0)
         return None
+    assert everyone is not None  # (rank 0)
     counts = everyone[:, 0].tolist()
     received = np.empty(sum(counts), np.uint8)
     comm.Gatherv(data, [received, (counts, None), MPI.BYTE], root=0)
@@ -86,11 +95,11 @@ def _gather_lines(comm, line, passed):
             for end, n, ok in zip(ends, counts, everyone[:, 1].tolist())]
 
 
-def _version():
+def _version() -> str:
     try:
         from mpi_strategy import __version__
         return __version__
-    except Exception:  # pragma: no cover
+    except Exception:  # noqa: BLE001 - only informative  # pragma: no cover
         return "?"
 
 

@@ -9,7 +9,14 @@ rounds: ``mpi_strategy/_src/distribute/compression.py``.
 """
 
 from mpi_strategy._src.distribute.compression import (
-    MIN_BYTES, Collectives, CompressionPolicy, Exact, SixteenBit, check_policy, resolve)
+    MIN_BYTES,
+    Collectives,
+    CompressionPolicy,
+    Exact,
+    SixteenBit,
+    check_policy,
+    resolve,
+)
 
 __all__ = ["CompressionPolicy", "Collectives", "Exact", "SixteenBit", "MIN_BYTES",
            "check_policy", "resolve"]

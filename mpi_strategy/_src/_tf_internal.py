@@ -40,12 +40,13 @@ if _version > SUPPORTED_TF[1]:
         ".".join(map(str, SUPPORTED_TF[1])), tf.__version__)
 
 try:
-    # pylint: disable=g-direct-tensorflow-import
-    from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
-    from tensorflow.python.distribute import distribute_utils as _distribute_utils
-    from tensorflow.python.distribute import input_util as _input_util
-    from tensorflow.python.distribute import mirrored_run as _mirrored_run
-    from tensorflow.python.distribute import mirrored_strategy as _mirrored_strategy
+    from tensorflow.python.distribute import (
+        cross_device_ops as _cross_device_ops,
+        distribute_utils as _distribute_utils,
+        input_util as _input_util,
+        mirrored_run as _mirrored_run,
+        mirrored_strategy as _mirrored_strategy,
+    )
     from tensorflow.python.framework import ops as _ops
     from tensorflow.python.ops import control_flow_util as _control_flow_util
 except ImportError as exc:  # pragma: no cover - only on an untested TF
@@ -140,7 +141,7 @@ def merge_call_would_fail() -> bool:
     its replica function is traced in (inside tf.cond, tf.while_loop or a nested
     tf.function). The same test as mirrored_run._MirroredReplicaContext._merge_call."""
     thread = threading.current_thread()
-    replica_thread_class = _mirrored_run._MirroredReplicaThread  # pylint: disable=protected-access
+    replica_thread_class = _mirrored_run._MirroredReplicaThread
     return isinstance(thread, replica_thread_class) and _ops.get_default_graph() is not thread.graph
 
 

@@ -14,16 +14,20 @@ a fresh TensorFlow tensor measured ~2.9 ms, copying it into a reused buffer
 and reducing that in place ~1.3 ms (2 ranks, MPICH 5).
 """
 
+from __future__ import annotations
+
 import weakref
+from collections.abc import Callable, Sequence
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 ALIGN_BYTES = 64
 _POOLED_MIN_BYTES = 1 << 16  # smaller buffers come from malloc's heap, no page faults
 _POOL_SIZE = 4
 
 
-def aligned_empty(shape, dtype):
+def aligned_empty(shape: int | tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
     """A fresh, uninitialised array that TensorFlow can adopt without a copy."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -52,10 +56,10 @@ class BufferPool:
     op at a time (the numpy functions of one communicator are serialised).
     """
 
-    def __init__(self):
-        self._slots = []  # _Slot, at most _POOL_SIZE
+    def __init__(self) -> None:
+        self._slots: list[_Slot] = []  # at most _POOL_SIZE
 
-    def empty(self, count, dtype):
+    def empty(self, count: int, dtype: DTypeLike) -> np.ndarray:
         """An uninitialised aligned array of ``count`` elements of ``dtype``."""
         nbytes = count * np.dtype(dtype).itemsize
         if nbytes < _POOLED_MIN_BYTES:
@@ -73,7 +77,7 @@ class BufferPool:
         return lease
 
 
-def _dead():
+def _dead() -> None:
     return None
 
 
@@ -82,15 +86,16 @@ class _Slot:
 
     __slots__ = ("size", "memory", "start", "lease")
 
-    def __init__(self, size):
+    def __init__(self, size: int) -> None:
         raw = np.empty(size, np.uint8)
         self.size = size
-        self.memory = memoryview(raw)  # keeps raw alive; not handed out
+        self.memory = raw.data  # memoryview(raw): keeps raw alive; not handed out
         self.start = -raw.ctypes.data % ALIGN_BYTES
-        self.lease = _dead  # free: "no lease is alive"
+        self.lease: Callable[[], np.ndarray | None] = _dead  # free: "no lease is alive"
 
 
-def pack(arrays, pool):
+def pack(arrays: Sequence[np.ndarray],
+         pool: BufferPool) -> tuple[np.ndarray, list[np.ndarray]]:
     """``arrays`` copied back to back into one pooled buffer, each start aligned.
 
     The padding between them is zero, so one MPI call can reduce the whole
@@ -105,7 +110,7 @@ def pack(arrays, pool):
         total += -(-a.size // step) * step
     buffer = pool.empty(total, dtype)
     views = []
-    for a, start, end in zip(arrays, offsets, offsets[1:] + [total]):
+    for a, start, end in zip(arrays, offsets, [*offsets[1:], total]):
         buffer[start:start + a.size] = a.reshape(-1)
         buffer[start + a.size:end] = 0
         views.append(buffer[start:start + a.size].reshape(a.shape))

@@ -129,7 +129,7 @@ class Collectives:
         of bytes: each rank sends its row counts, then every array's bytes."""
         arrays = [np.ascontiguousarray(a) for a in arrays]
         rows = np.array([a.shape[0] if a.ndim else 1 for a in arrays], np.int64)
-        mine = concat_bytes([rows] + arrays)
+        mine = concat_bytes([rows, *arrays])
         everyone, carried = self.rendezvous.agree_carrying(
             mine, rendezvous_lib.ALLGATHER, [a.dtype for a in arrays],
             [a.shape[1:] for a in arrays], rows=int(rows.sum()), timeout=timeout, token=token)

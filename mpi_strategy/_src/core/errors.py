@@ -37,7 +37,7 @@ class MPIStrategyError(RuntimeError):
 
     A `comm` that is not an mpi4py intracommunicator raises `TypeError`, and
     `MPI.COMM_NULL` raises `ValueError`, as Python does for a wrong argument.
-    """
+    """  # noqa: E501 - the table's rows (Markdown, rendered in the docs) cannot wrap
 
 
 class RanksLostError(MPIStrategyError):

@@ -84,8 +84,9 @@ def _every_living_rank_raises(exc: BaseException) -> bool:
 
 def _leave_under_ulfm(exc: BaseException) -> None:
     """An error that every living rank raises (ranks were lost, also in a call
-    of the program's own or before training) ends each of them with exit status 1, which the launcher reports. A rank's own error kills it
-    with SIGKILL: the others learn of it in their next collective (ULFM reports
+    of the program's own or before training) ends each of them with exit
+    status 1, which the launcher reports. A rank's own error kills it with
+    SIGKILL: the others learn of it in their next collective (ULFM reports
     a death by signal, not a non-zero exit status), and go on without it inside
     ``elastic.run`` or end with status 1 outside. If every rank dies of its own
     error at once, Open MPI's launcher exits with status 0 (it tolerates deaths

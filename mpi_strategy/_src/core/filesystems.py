@@ -8,6 +8,7 @@ found once per directory by probe files that each node's lowest rank creates.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -81,10 +82,9 @@ def _probe(comm: MPI.Intracomm, directory: str, leader_of: list[int]) -> int:
     comm.Allgather(seen, everyone)
     comm.Barrier()
     if mine:
-        try:
+        # only a probe: a leftover empty file is harmless, the save goes on
+        with contextlib.suppress(OSError):
             os.remove(mine)
-        except OSError:
-            pass  # only a probe: a leftover empty file is harmless, the save goes on
     return min(_same_filesystem(everyone, leader_of, rank))
 
 
@@ -94,7 +94,7 @@ def _same_filesystem(seen: np.ndarray, leader_of: list[int], rank: int) -> set[i
     group, todo = {rank}, [rank]
     while todo:
         r = todo.pop()
-        for other in np.flatnonzero(linked[r] | linked[:, leader_of[r]]).tolist() + [leader_of[r]]:
+        for other in [*np.flatnonzero(linked[r] | linked[:, leader_of[r]]).tolist(), leader_of[r]]:
             if other not in group:
                 group.add(other)
                 todo.append(other)
@@ -125,10 +125,9 @@ def _visible(probes: dict[int, str]) -> list[int]:
     seen = []
     while True:
         for directory in {os.path.dirname(p) for p in probes.values()}:
-            try:
+            # gone or unreadable: the probe inside is then not visible
+            with contextlib.suppress(OSError):
                 os.listdir(directory)  # makes NFS look again
-            except OSError:
-                pass  # gone or unreadable: the probe inside is then not visible
         for r, probe in list(probes.items()):
             if os.path.exists(probe) and _opens(probe):
                 seen.append(r)

@@ -101,7 +101,8 @@ _DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
 # is in without the others (0: none),
 # how far the communicator's ordering token moved since the previous
 # collective (1, plus a hash of the constants that ranks assumed equal instead
-# of sending them: ``OrderedComm.check_same_constants``) (these must agree); rows and bytes sent (all_gather only, may differ).
+# of sending them: ``OrderedComm.check_same_constants``) (these must agree);
+# rows and bytes sent (all_gather only, may differ).
 _SEQ, _KIND, _DTYPE, _COUNT, _TENSORS, _LAYOUT, _SOLO, _TOKEN, _ROWS, _BYTES = range(10)
 _MUST_AGREE = slice(_KIND, _TOKEN + 1)
 _SIGNATURE_BYTES = 8 * (_BYTES + 1)
@@ -150,10 +151,10 @@ def _layout(shapes: tuple[tuple[int, ...], ...], dtypes: tuple[Any, ...],
             tag: str) -> tuple[int, int, int]:
     """(first dtype's code, elements, hash of shapes, dtypes and tag): the same few
     collectives recur every step, so each is worked out once."""
-    shapes = [tuple(int(d) for d in shape) for shape in shapes]
+    ints = [tuple(int(d) for d in shape) for shape in shapes]
     codes = [_dtype_code(d) for d in dtypes]
-    count = sum(math.prod(shape) for shape in shapes)
-    return codes[0], count, zlib.crc32(repr((shapes, codes, tag)).encode()) & 0x7FFFFFFF
+    count = sum(math.prod(shape) for shape in ints)
+    return codes[0], count, zlib.crc32(repr((ints, codes, tag)).encode()) & 0x7FFFFFFF
 
 
 def _kind(code: int) -> Kind:

@@ -32,7 +32,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, TextIO
 
 from mpi4py import MPI
 
@@ -48,7 +48,7 @@ class Timeline:
         self.path = rank_path(path, rank, suffix)
         self._rank = rank + (_SPAWNED_PID_OFFSET if suffix else 0)  # its row (trace "pid")
         self._lock = threading.Lock()
-        self._file = open(self.path, "w")
+        self._file: TextIO | None = open(self.path, "w")  # noqa: SIM115 - closed by close()
         self._file.write("[\n")
         self._first = True
         self._comms: set[tuple[int, str]] = set()

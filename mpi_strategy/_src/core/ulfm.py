@@ -8,6 +8,7 @@ rank ends the job, as without elastic mode.
 from __future__ import annotations
 
 import os
+from typing import cast
 
 from mpi4py import MPI
 
@@ -21,7 +22,9 @@ def ulfm_launch() -> bool:
     """True under Open MPI launched with ``--with-ft ulfm`` (which sets the MCA
     parameter mpi_ft_enable for every rank)."""
     return ("Open MPI" in MPI.Get_library_version()
-            and os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "enabled"))
+            # (Open MPI's name for the parameter, in lower case)
+            and os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower()  # noqa: SIM112
+            in ("1", "true", "enabled"))
 
 
 def is_process_failure(error: BaseException) -> bool:
@@ -50,7 +53,8 @@ def shrink(comm: MPI.Intracomm) -> MPI.Intracomm:
     """The living ranks of ``comm`` (revoked), agreed on by all of them."""
     while True:
         revoke(comm)
-        survivors = comm.Shrink()
+        # (Shrink returns the communicator's own class; mpi4py's stub says Comm)
+        survivors = cast(MPI.Intracomm, comm.Shrink())
         try:
             survivors.Agree(1)  # fails if another rank died meanwhile
             return survivors

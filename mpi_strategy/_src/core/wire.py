@@ -63,6 +63,7 @@ def split_gathered(received: np.ndarray, counts: np.ndarray,
             nbytes[0].tolist(), offsets[0].tolist(), rows.sum(axis=0).tolist())):
         flat = out[at:at + total]
         if strided[i]:
+            assert blocks is not None  # (any(strided))
             if one:
                 flat.reshape(p, one)[...] = blocks[:, first:first + one]
         else:
@@ -70,7 +71,7 @@ def split_gathered(received: np.ndarray, counts: np.ndarray,
             for offset, size in zip(offsets[:, i].tolist(), nbytes[:, i].tolist()):
                 flat[done:done + size] = received[offset:offset + size]
                 done += size
-        outs.append(flat.view(a.dtype).reshape((n_rows,) + a.shape[1:]))
+        outs.append(flat.view(a.dtype).reshape((n_rows, *a.shape[1:])))
     return outs
 
 

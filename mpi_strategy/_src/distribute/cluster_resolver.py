@@ -25,7 +25,8 @@ class MPIClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
     ``{}`` for ranks that compute on the CPU.
     """
 
-    def __init__(self, comm: MPI.Intracomm, num_local_devices: dict[str, int] | None = None) -> None:
+    def __init__(self, comm: MPI.Intracomm,
+                 num_local_devices: dict[str, int] | None = None) -> None:
         """``num_local_devices``: this rank's devices by type, e.g. ``{"GPU": 2}``
         (CPUs may be listed; they are not accelerators)."""
         self._comm = comm
@@ -34,11 +35,11 @@ class MPIClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
         self._hosts = _gather_host_names(comm)
 
     @property
-    def task_type(self) -> str:  # type: ignore[override]
+    def task_type(self) -> str:
         return "worker"
 
     @property
-    def task_id(self) -> int:  # type: ignore[override]
+    def task_id(self) -> int:
         return self._comm.Get_rank()
 
     @property

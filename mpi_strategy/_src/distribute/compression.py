@@ -14,10 +14,10 @@ slice ``r`` to rank ``r`` (one Alltoall); rank ``r`` adds the p pieces of its
 slice in float32, in rank order, and rounds the sum to 16 bits once; one
 Allgather gives every rank every slice. So each element is rounded twice (the
 inputs and the sum, never the partial sums hop by hop; float64 values by way
-of float32), and every rank gets bit-identical results. float16 keeps 11 significant bits but a value or sum
-above 65504 becomes inf (a dynamic loss scale, as in Keras' mixed precision,
-backs off from it like from any overflow; otherwise prefer bfloat16);
-bfloat16 keeps float32's range with 8 significant bits.
+of float32), and every rank gets bit-identical results. float16 keeps 11
+significant bits but a value or sum above 65504 becomes inf (a dynamic loss
+scale, as in Keras' mixed precision, backs off from it like from any overflow;
+otherwise prefer bfloat16); bfloat16 keeps float32's range with 8 significant bits.
 
 **The policy protocol.** ``compression=`` also takes any object that is a
 ``CompressionPolicy``:
@@ -122,7 +122,7 @@ class SixteenBit(Exact):
                             f"got {min_bytes!r}.")
         if min_bytes < 0:
             raise ValueError(f"mpi_strategy: SixteenBit's min_bytes must be >= 0; got {min_bytes}.")
-        self.min_bytes = int(min_bytes)
+        self.min_bytes: int = int(min_bytes)
         # The default keeps the plain name that logs and error messages show.
         self.name = self.wire_dtype.name + (
             "" if self.min_bytes == MIN_BYTES else f"(min_bytes={self.min_bytes})")
@@ -134,7 +134,7 @@ class SixteenBit(Exact):
             return super().allreduce(tensors, mpi, timeout)
         large = [i for i, t in enumerate(tensors) if self._is_large(t)]
         small = sorted(set(range(len(tensors))) - set(large))
-        results: list[tf.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+        results: list[tf.Tensor] = [None] * len(tensors)
         if small:
             for i, r in zip(small, super().allreduce([tensors[i] for i in small], mpi, timeout)):
                 results[i] = r

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -18,8 +19,7 @@ from mpi4py import MPI
 
 from mpi_strategy._src import _tf_internal
 from mpi_strategy._src.core.validation import check_same_on_all_ranks, resolve_comm
-from mpi_strategy._src.distribute import compression as compression_lib
-from mpi_strategy._src.distribute import fusion
+from mpi_strategy._src.distribute import compression as compression_lib, fusion
 from mpi_strategy._src.distribute.ops import OrderedComm
 
 ReduceOp = tf.distribute.ReduceOp
@@ -70,7 +70,7 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         """How large float sums travel: "none", "float16", "bfloat16" or a policy's name."""
         return self._compression.name
 
-    def _timeout(self, options):
+    def _timeout(self, options: Any) -> float | None:
         return self._options.merge(options).timeout_seconds
 
     @property
@@ -84,18 +84,19 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         return self._mpi
 
     @property
-    def _num_between_graph_workers(self):
+    def _num_between_graph_workers(self) -> int:
         # TF skips reductions entirely when this is 1 and there is one replica.
         return self._mpi.size
 
     # -- reductions --------------------------------------------------------------
-    def reduce_implementation(self, reduce_op, per_replica_value, destinations,
-                              options):
+    def reduce_implementation(self, reduce_op: Any, per_replica_value: Any, destinations: Any,
+                              options: Any) -> Any:
         return self.batch_reduce_implementation(
             reduce_op, [(per_replica_value, destinations)], options)[0]
 
-    def batch_reduce_implementation(self, reduce_op, value_destination_pairs,
-                                    options):
+    def batch_reduce_implementation(self, reduce_op: Any,
+                                    value_destination_pairs: Sequence[tuple[Any, Any]],
+                                    options: Any) -> list[Any]:
         options = self._options.merge(options)
         reduced = self.all_reduce_values(
             reduce_op, [value for value, _ in value_destination_pairs],
@@ -126,7 +127,7 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         dense = [i for i, p in enumerate(parts) if not _is_sparse(p[0])]
         sparse = [i for i, p in enumerate(parts) if _is_sparse(p[0])]
 
-        results = [None] * len(values)
+        results: list[Any] = [None] * len(values)
         local_sums = [_local_sum(parts[i]) for i in dense]
         # With sparse values, a few kB of dense ones (biases, a small dense
         # layer) ride along in the sparse values' all_gather: one collective.
@@ -147,7 +148,7 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
             raise ValueError(f"reduce_op must be SUM or MEAN, got {reduce_op}")
         return results
 
-    def _can_ride_along(self, dense, bytes_per_pack):
+    def _can_ride_along(self, dense: Sequence[tf.Tensor], bytes_per_pack: int | None) -> bool:
         """Whether ``dense`` (this rank's sums) may be summed through an all_gather:
         exact sums, no buckets, one summable dtype, static shapes, a few kB."""
         if not dense or self._mpi.size == 1 or bytes_per_pack:
@@ -160,7 +161,9 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
             return False
         return sum(t.shape.num_elements() * t.dtype.size for t in dense) <= _RIDE_ALONG_BYTES
 
-    def _allgather_indexed_slices(self, values, timeout, dense=()):
+    def _allgather_indexed_slices(self, values: Sequence[Sequence[tf.IndexedSlices]],
+                                  timeout: float | None,
+                                  dense: Sequence[tf.Tensor] = ()) -> list[Any]:
         """Sums of ``values`` (each a list of this rank's IndexedSlices), all in one
         MPI call, followed by the sums of ``dense`` (tensors of one dtype) if any.
 
@@ -185,20 +188,22 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         counts, flat_values, flat_indices, *gathered_dense = self._mpi.allgather_many([
             tf.stack([tf.shape(v, out_type=tf.int64)[0] for v, _ in tables]),
             tf.concat([tf.reshape(v, [-1]) for v, _ in tables], axis=0),
-            tf.concat([tf.cast(i, tf.int64) for _, i in tables], axis=0)] + flat_dense,
+            tf.concat([tf.cast(i, tf.int64) for _, i in tables], axis=0), *flat_dense],
             timeout)
         k, ranks = len(tables), self._mpi.size
-        value_pieces = tf.split(flat_values, counts * tf.tile(tf.constant(widths, tf.int64), [ranks]),
-                                num=k * ranks)
+        value_pieces = tf.split(
+            flat_values, counts * tf.tile(tf.constant(widths, tf.int64), [ranks]), num=k * ranks)
         index_pieces = tf.split(flat_indices, counts, num=k * ranks)
         return [tf.IndexedSlices(
-            values=tf.reshape(tf.concat(value_pieces[t::k], axis=0), [-1] + v.shape[1:].as_list()),
+            values=tf.reshape(tf.concat(value_pieces[t::k], axis=0), [-1, *v.shape[1:].as_list()]),
             indices=tf.cast(tf.concat(index_pieces[t::k], axis=0), i.dtype),
             dense_shape=slices[0].dense_shape)
             for t, ((v, i), slices) in enumerate(zip(tables, values))
         ] + self._summed(gathered_dense, dense)
 
-    def _allgather_tables(self, values, tables, extra, timeout):
+    def _allgather_tables(self, values: Sequence[Sequence[tf.IndexedSlices]],
+                          tables: Sequence[tuple[tf.Tensor, tf.Tensor]],
+                          extra: Sequence[tf.Tensor], timeout: float | None) -> list[Any]:
         """``_allgather_indexed_slices`` with every table's tensors crossing on
         their own; then the gathered ``extra`` tensors."""
         gathered = self._mpi.allgather_many(
@@ -207,7 +212,8 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
                                  dense_shape=slices[0].dense_shape)
                 for k, slices in enumerate(values)] + gathered[2 * len(values):]
 
-    def _summed(self, gathered, dense):
+    def _summed(self, gathered: Sequence[tf.Tensor],
+                dense: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """The sums of ``dense`` from their all_gather (every rank's values, one
         after another), added in rank order: the same bits on every rank."""
         if not dense:
@@ -220,8 +226,8 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         return [tf.reshape(part, t.shape) for part, t in zip(parts, dense)]
 
     # -- gather --------------------------------------------------------------
-    def _gather_implementation(self, per_replica_value, destinations, axis,
-                               options):
+    def _gather_implementation(self, per_replica_value: Any, destinations: Any, axis: int,
+                               options: Any) -> Any:
         gathered = self.all_gather_values(per_replica_value, axis, self._timeout(options))
         return _tf_internal.simple_broadcast(gathered, destinations)
 
@@ -239,7 +245,7 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         return tf.transpose(self._mpi.allgather(tf.transpose(local, perm), timeout), inverse)
 
     # -- broadcast -----------------------------------------------------------
-    def broadcast_implementation(self, tensor, destinations):
+    def broadcast_implementation(self, tensor: Any, destinations: Any) -> Any:
         # What TF broadcasts is rank 0's first replica's new value of a
         # variable whose aggregation is ONLY_FIRST_REPLICA: every step,
         # optimizer.iterations + 1. A value that every rank computes alike is
@@ -264,7 +270,7 @@ _DETERMINISTIC_OPS = frozenset({"Identity", "Cast", "AddV2", "Add", "Sub", "Mul"
                                 "Maximum", "Minimum", "FloorDiv", "FloorMod", "RealDiv"})
 
 
-def _constants_if_same_on_every_rank(value, variable):
+def _constants_if_same_on_every_rank(value: Any, variable: Any) -> list[np.ndarray] | None:
     """The constants ``value`` is made of, if it is the same on every rank; else None.
 
     Same on every rank: a constant of the program (a Python number, a numpy
@@ -276,13 +282,15 @@ def _constants_if_same_on_every_rank(value, variable):
     """
     if isinstance(value, (int, float, bool, np.ndarray, np.generic)):
         return [np.asarray(value)]
-    constants, reads = [], []
+    constants: list[np.ndarray] = []
+    reads: list[Any] = []
     if _made_of(value, variable, constants, reads, depth=6) and reads:
         return constants
     return None
 
 
-def _made_of(value, variable, constants, reads, depth):
+def _made_of(value: Any, variable: Any, constants: list[np.ndarray], reads: list[Any],
+             depth: int) -> bool:
     """True if graph tensor ``value`` is made only of constants (appended to
     ``constants``) and reads of ``variable`` (appended to ``reads``)."""
     if not isinstance(value, tf.Tensor) or hasattr(value, "numpy") or not depth:
@@ -298,7 +306,7 @@ def _made_of(value, variable, constants, reads, depth):
         _made_of(t, variable, constants, reads, depth - 1) for t in op.inputs)
 
 
-def _reads(handle, variable):
+def _reads(handle: Any, variable: Any) -> bool:
     """True if ``handle`` (in a tf.function) is the handle of one of ``variable``'s copies."""
     while handle is not None and not hasattr(handle, "numpy"):  # up through nested graphs
         handle = _tf_internal.captured_value(handle)
@@ -312,24 +320,24 @@ _RIDE_ALONG_BYTES = 64 * 1024
 _SUMMABLE = (tf.float32, tf.float64, tf.int32, tf.int64)
 
 
-def _local_values(value):
+def _local_values(value: Any) -> list[Any]:
     if isinstance(value, tf.distribute.DistributedValues):
         return list(value.values)
     return [value]
 
 
-def _is_sparse(value):
+def _is_sparse(value: Any) -> bool:
     return isinstance(value, tf.IndexedSlices)
 
 
-def _local_sum(parts):
+def _local_sum(parts: Sequence[Any]) -> tf.Tensor:
     if len(parts) == 1:
         return tf.convert_to_tensor(parts[0])
     with tf.device(parts[0].device):
         return tf.add_n(parts)
 
 
-def _divide(value, n):
+def _divide(value: Any, n: int) -> Any:
     # Same arithmetic as TF's own MEAN (so integer MEAN yields float64 as in TF).
     if isinstance(value, tf.IndexedSlices):
         return tf.IndexedSlices(value.values / n, value.indices, value.dense_shape)

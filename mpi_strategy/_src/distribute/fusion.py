@@ -54,11 +54,13 @@ def fused_allreduce(tensors: Sequence[tf.Tensor],
       A list of tensors matching ``tensors`` in order, shape and dtype; on
       every rank the same values, whatever ``bytes_per_pack`` is.
     """
-    groups: dict[tf.DType, list[int]] = {}  # wire dtype -> indices; dict keeps first-appearance order,
-    for i, t in enumerate(tensors):  # which is the same on every rank.
+    # wire dtype -> indices; dict keeps first-appearance order, which is the
+    # same on every rank.
+    groups: dict[tf.DType, list[int]] = {}
+    for i, t in enumerate(tensors):
         groups.setdefault(wire_dtype(t.dtype), []).append(i)
 
-    results: list[tf.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    results: list[tf.Tensor] = [None] * len(tensors)
     for dtype, indices in groups.items():
         sizes = [_nbytes(tensors[i], dtype) for i in indices]
         for bucket in buckets(sizes, bytes_per_pack):
@@ -87,7 +89,8 @@ def buckets(sizes: Sequence[int | None], bytes_per_pack: int | None) -> list[lis
     result, current, filled = [], [], 0
     for k in reversed(range(len(sizes))):
         current.append(k)
-        filled = filled + sizes[k] if sizes[k] is not None else bytes_per_pack
+        size = sizes[k]
+        filled = filled + size if size is not None else bytes_per_pack
         if filled >= bytes_per_pack:
             result.append(current[::-1])
             current, filled = [], 0

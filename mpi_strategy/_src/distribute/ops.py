@@ -94,12 +94,12 @@ class OrderedComm:
         fn = self.collectives.guarded(fn)
 
         def with_token(token: np.ndarray, *arrays: np.ndarray) -> list[Any]:
-            return [token + 1] + list(fn(int(token), *arrays))
+            return [token + 1, *fn(int(token), *arrays)]
 
         with tf.device("/device:CPU:0"):
             token = self._token.read_value()
             outputs = tf.numpy_function(
-                with_token, [token] + list(inputs), [tf.int64] + list(output_dtypes),
+                with_token, [token, *inputs], [tf.int64, *output_dtypes],
                 stateful=True, name=name)
             self._token.assign(outputs[0])
         return outputs[1:]

@@ -23,7 +23,11 @@ from mpi_strategy._src.core import failure, logs
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.core.validation import (
-    check_same_on_all_ranks, mpi_library, resolve_comm, spans_the_world)
+    check_same_on_all_ranks,
+    mpi_library,
+    resolve_comm,
+    spans_the_world,
+)
 from mpi_strategy._src.distribute import compression as compression_lib
 from mpi_strategy._src.distribute.cluster_resolver import MPIClusterResolver
 from mpi_strategy._src.distribute.cross_device_ops import MPICrossDeviceOps
@@ -119,6 +123,8 @@ class MPIStrategy(tf.distribute.Strategy):
 class MPIExtended(_tf_internal.MirroredExtended):
     """The MirroredStrategy machinery, made global across the ranks of ``comm``."""
 
+    _cross_device_ops: MPICrossDeviceOps
+
     def __init__(self, container_strategy: MPIStrategy, comm: MPI.Intracomm | None = None,
                  devices: Sequence[str] | None = None,
                  communication_options: tf.distribute.experimental.CommunicationOptions
@@ -194,7 +200,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         self._task_id = self._rank
         logs.set_rank(self._rank, self._num_ranks)  # rank 0 of the survivors speaks
 
-    def _initialize_strategy(self, devices):
+    def _initialize_strategy(self, devices: Sequence[str]) -> None:
         # MirroredExtended would also build TF collective ops for the local
         # devices; every collective here is MPI, so only the devices are set up.
         devices = tuple(tf.DeviceSpec.from_string(d).to_string() for d in devices)
@@ -213,16 +219,16 @@ class MPIExtended(_tf_internal.MirroredExtended):
         return self._rank
 
     @property
-    def _num_replicas_in_sync(self):
+    def _num_replicas_in_sync(self) -> int:
         return len(self._devices) * self._num_ranks
 
-    def _get_replica_id_in_sync_group(self, replica_id):
+    def _get_replica_id_in_sync_group(self, replica_id: int) -> int:
         return self._rank * len(self._devices) + replica_id
 
-    def _get_local_replica_id(self, replica_id_in_sync_group):
+    def _get_local_replica_id(self, replica_id_in_sync_group: int) -> int:
         return replica_id_in_sync_group - self._rank * len(self._devices)
 
-    def _in_multi_worker_mode(self):
+    def _in_multi_worker_mode(self) -> bool:
         # Makes the distributed iterator agree across ranks on the end of data.
         return self._num_ranks > 1
 
@@ -239,7 +245,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         return self._rank == 0
 
     # -- communication: always MPI ---------------------------------------------
-    def _use_merge_call(self):
+    def _use_merge_call(self) -> bool:
         # TF and Keras ask this before they synchronize replicas. merge_call
         # (MirroredStrategy's path, where the MPI collectives run in cross-replica
         # context) works only in the graph the replica function is traced in;
@@ -261,7 +267,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
             f"per rank only, and this rank drives {len(self._devices)} devices. Launch "
             "one rank per device instead (MPIStrategy(devices=[one device]) on each rank).")
 
-    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+    def _replica_ctx_all_reduce(self, reduce_op: Any, value: Any, options: Any = None) -> Any:
         # ReplicaContext.all_reduce and aggregated variable updates call this
         # when _use_merge_call() is False: one replica per rank, so its value
         # is the rank's contribution and one MPI reduction gives the result.
@@ -274,11 +280,11 @@ class MPIExtended(_tf_internal.MirroredExtended):
         return tf.nest.pack_sequence_as(
             value, [_tf_internal.simple_broadcast(r, self._devices[0]) for r in reduced])
 
-    def _get_cross_device_ops(self, value):
+    def _get_cross_device_ops(self, value: Any) -> MPICrossDeviceOps:
         del value
         return self._cross_device_ops
 
-    def _reduce_to(self, reduce_op, value, destinations, options):
+    def _reduce_to(self, reduce_op: Any, value: Any, destinations: Any, options: Any) -> Any:
         # `value` may be a nested structure (Keras reduces whole batches):
         # all of its leaves go into one batch reduction.
         leaves = tf.nest.flatten(value)
@@ -292,19 +298,21 @@ class MPIExtended(_tf_internal.MirroredExtended):
                 leaves[i] = r
         return tf.nest.pack_sequence_as(value, leaves)
 
-    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+    def _batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any,
+                         options: Any) -> list[Any]:
         return self._cross_device_ops.batch_reduce(
             reduce_op, value_destination_pairs,
             options=self._communication_options.merge(options))
 
-    def _gather_to_implementation(self, value, destinations, axis, options):
-        return self._cross_device_ops._gather(  # pylint: disable=protected-access
+    def _gather_to_implementation(self, value: Any, destinations: Any, axis: int,
+                                  options: Any) -> Any:
+        return self._cross_device_ops._gather(
             value, destinations=destinations, axis=axis,
             options=self._communication_options.merge(options))
 
     # -- variables start equal on every rank -------------------------------------
-    def _get_variable_creator_initial_value(self, replica_id, device, primary_var,
-                                            **kwargs):
+    def _get_variable_creator_initial_value(self, replica_id: int, device: Any, primary_var: Any,
+                                            **kwargs: Any) -> Any:
         if replica_id != 0 or self._num_ranks == 1:
             # Other local replicas copy the first one, as in MirroredStrategy.
             return super()._get_variable_creator_initial_value(
@@ -312,7 +320,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         initial_value = kwargs["initial_value"]
         dtype = kwargs.get("dtype")
 
-        def initial_value_of_rank_0():
+        def initial_value_of_rank_0() -> tf.Tensor:
             with tf.device(device):
                 value = initial_value() if callable(initial_value) else initial_value
                 # Restore-on-create wraps the value; the broadcast needs the tensor.
@@ -330,7 +338,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
             input_pipeline_id=self._rank,
             num_replicas_in_sync=self._num_replicas_in_sync)
 
-    def _experimental_distribute_dataset(self, dataset, options):
+    def _experimental_distribute_dataset(self, dataset: Any, options: Any) -> Any:
         _reject_per_replica_mode(options)
         return _tf_internal.get_distributed_dataset(
             dataset,
@@ -340,7 +348,8 @@ class MPIExtended(_tf_internal.MirroredExtended):
             input_context=self.input_context(),
             options=options)
 
-    def _distribute_datasets_from_function(self, dataset_fn, options):
+    def _distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
+                                           options: Any) -> Any:
         _reject_per_replica_mode(options)
         return _tf_internal.get_distributed_datasets_from_function(
             dataset_fn,
@@ -349,7 +358,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
             self._container_strategy(),
             options=options)
 
-    def _experimental_distribute_values_from_function(self, value_fn):
+    def _experimental_distribute_values_from_function(self, value_fn: Callable[..., Any]) -> Any:
         values = [
             value_fn(tf.distribute.experimental.ValueContext(
                 self._get_replica_id_in_sync_group(i), self._num_replicas_in_sync))

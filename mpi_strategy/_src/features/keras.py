@@ -68,7 +68,7 @@ def callback_list_init_wrapper(original_init: Callable[..., None],
             for c in callbacks or []:
                 if isinstance(c, backup_class) and hasattr(c, BACKUP_SUPPORTED_STRATEGIES):
                     supported = tuple(getattr(c, BACKUP_SUPPORTED_STRATEGIES))
-                    setattr(c, BACKUP_SUPPORTED_STRATEGIES, supported + (MPIStrategy,))
+                    setattr(c, BACKUP_SUPPORTED_STRATEGIES, (*supported, MPIStrategy))
             add_progbar = add_progbar and strategy.extended.should_checkpoint
         original_init(self, callbacks, add_history=add_history, add_progbar=add_progbar,
                       model=model, **params)

@@ -27,7 +27,6 @@ import signal
 import sys
 import threading
 import time
-
 from typing import Any
 
 import numpy as np
@@ -48,8 +47,8 @@ JOIN_TIMEOUT_S = 120  # a replacement told to join that is not joined by then en
 
 # The command line and working directory this process was started with, to
 # start it again; taken at import, before the program changes either.
-_LAUNCH = {"argv": list(getattr(sys, "orig_argv", [])), "cwd": os.getcwd(),
-           "program": sys.argv[0] if sys.argv else ""}
+_LAUNCH: dict[str, Any] = {"argv": list(getattr(sys, "orig_argv", [])), "cwd": os.getcwd(),
+                           "program": sys.argv[0] if sys.argv else ""}
 
 # Run by a replacement's interpreter: the survivors' environment (the launcher
 # gives spawned processes its own) and working directory, then the survivors'
@@ -64,7 +63,8 @@ os.chdir(sys.argv[2])
 signal.alarm(int(sys.argv[4]))
 os.execv(sys.executable, [sys.executable] + json.loads(sys.argv[3]))
 """
-_pending_sends: list[MPI.Request] = []  # requests of messages never waited for: alive until the process ends
+# Requests of messages never waited for: alive until the process ends.
+_pending_sends: list[MPI.Request] = []
 
 
 def check_can_replace() -> None:
@@ -92,17 +92,18 @@ class Spawning:
     def __init__(self, comm: MPI.Intracomm, count: int) -> None:
         self.count = count
         self.started_at = time.time()
-        self.spawned_at = None
+        self.spawned_at: float | None = None
         self._rank = comm.Get_rank()
         self._spawn_comm, self._decide_comm = comm.Dup(), comm.Dup()
-        self._intercomm, self._error = None, None
+        self._intercomm: MPI.Intercomm | None = None
+        self._error: MPI.Exception | None = None
         self._settled = threading.Event()  # joined or dismissed: no more heartbeats
         self._thread = threading.Thread(target=self._spawn, daemon=True,
                                         name="mpi_strategy-spawn")
         self._thread.start()
 
     def _spawn(self) -> None:
-        args = None
+        args: list[str] | None = None
         if self._rank == 0:
             args = ["-c", _BOOT, json.dumps(dict(os.environ)), _LAUNCH["cwd"],
                     json.dumps(_LAUNCH["argv"][1:]), str(START_LIMIT_S)]
@@ -130,8 +131,10 @@ class Spawning:
                 try:
                     if self._error is not None:
                         decision = GIVE_UP
-                    elif self._intercomm.Iprobe(source=0, tag=_READY):
-                        decision = JOIN
+                    else:
+                        assert self._intercomm is not None  # (the spawn returned, no error)
+                        if self._intercomm.Iprobe(source=0, tag=_READY):
+                            decision = JOIN
                 except MPI.Exception as error:  # a replacement died
                     self._error, decision = error, GIVE_UP
         decision = self._decide_comm.Agree(decision)
@@ -152,13 +155,15 @@ class Spawning:
         every survivor in the join raises)."""
         self._settled.set()
         self._thread.join()  # the spawn returns on rank 0 first
+        intercomm = self._intercomm
+        assert intercomm is not None  # (decide() said JOIN: every spawn returned)
         try:
             root = MPI.ROOT if self._rank == 0 else MPI.PROC_NULL
             if self._rank == 0:
-                self._intercomm.Recv(_word(), source=0, tag=_READY)
-                self._intercomm.Send(_word(JOIN), dest=0, tag=_DECISION)
-            _send_commit(self._intercomm, root, *newest)
-            merged = self._intercomm.Merge(high=False)
+                intercomm.Recv(_word(), source=0, tag=_READY)
+                intercomm.Send(_word(JOIN), dest=0, tag=_DECISION)
+            _send_commit(intercomm, root, *newest)
+            merged = intercomm.Merge(high=False)
             merged.Set_errhandler(MPI.ERRORS_RETURN)
             if not merged.Agree(1):  # every rank holds the state, of the same shapes
                 logger.error("mpi_strategy.elastic: a replacement built a state of other "
@@ -274,14 +279,14 @@ def join_survivors(specs: list[tuple[tuple[int, ...], Any]]
         # Not waited for: a send to a survivor that died may never complete.
         _pending_sends.append(parent.Isend(_word(), dest=0, tag=_READY))
         decision = _wait_for_decision(parent)
-    decision = _word(decision)
-    world.Bcast(decision, root=0)
-    if decision[0] == _SILENT:  # MPI_Finalize could wait for the dead: end at once
+    decided = _word(decision)
+    world.Bcast(decided, root=0)
+    if decided[0] == _SILENT:  # MPI_Finalize could wait for the dead: end at once
         logger.error("mpi_strategy.elastic: no word from the survivors' rank 0 for %d s; "
                      "this replacement ends (status 1).", SILENCE_S)
         sys.stderr.flush()
         os._exit(1)
-    if decision[0] == _LEAVE:
+    if decided[0] == _LEAVE:
         logger.error("mpi_strategy.elastic: this replacement is not needed any more (the "
                      "survivors lost another rank or finished); it ends.")
         signal.alarm(0)
@@ -296,7 +301,7 @@ def join_survivors(specs: list[tuple[tuple[int, ...], Any]]
     joined = merged.Agree(int(fits))
     watchdog.cancel()
     signal.alarm(0)
-    if not fits or not joined:
+    if newest is None or not joined:  # (newest is None: not fits)
         raise MPIStrategyError("mpi_strategy.elastic: this replacement could not join the "
                                "survivors (its state does not fit theirs, or another's).")
     return merged, newest

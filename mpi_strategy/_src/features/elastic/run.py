@@ -54,7 +54,13 @@ from mpi_strategy._src.core import ulfm
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.distribute.strategy import MPIStrategy
 from mpi_strategy._src.features.elastic import (
-    disk, ending, recovery, regrowth as regrowth_lib, replacement, state as state_lib)
+    disk,
+    ending,
+    recovery,
+    regrowth as regrowth_lib,
+    replacement,
+    state as state_lib,
+)
 from mpi_strategy._src.features.elastic.state import State
 
 Result = TypeVar("Result")
@@ -111,7 +117,7 @@ def _train_until_done(train: Callable[..., Result], strategy: MPIStrategy, state
             return train(state, *args, **kwargs)
         except regrowth_lib.WorldGrew:
             continue  # at the commit just made, on more ranks
-        except Exception as error:  # noqa: BLE001 - only lost ranks are handled
+        except Exception as error:  # only lost ranks are handled: others re-raised
             if not recovery.ranks_were_lost(strategy, error):
                 raise
             recovery.recover(strategy, state, min_ranks, directory, error)
