@@ -19,6 +19,7 @@ once a strategy spans several ranks. docs/concepts.md lists them in a table
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import sys
 from collections.abc import Callable
@@ -87,8 +88,8 @@ def install() -> None:
     _once(_AT_EXIT, lambda _: atexit.register(_at_exit))
     synchronous = set(_tf_internal.ASYNC_CHECKPOINT_CALLS)
     for call in _tf_internal.WRITE_CALLS:
-        _replace(call.owner, call.name, lambda f, call=call: _write_call_wrapper(
-            f, call, (call.owner, call.name) in synchronous))
+        _replace(call.owner, call.name, functools.partial(
+            _write_call_wrapper, call=call, synchronous=(call.owner, call.name) in synchronous))
     for owner, name in synchronous:  # (those not wrapped above)
         _replace(owner, name, calls.synchronous_checkpoint_wrapper)
     for package, site in _keras_internal.SITES.items():
@@ -109,9 +110,15 @@ def uninstall() -> None:
 
 
 def installed() -> list[str]:
-    """What is replaced now, as "module.Class.name" (for tests and docs)."""
-    return [f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{name}"
-            for owner, name in _ORIGINALS if (owner, name) != _AT_EXIT]
+    """What is replaced now, as "package.module.name" or "package.module.Class.name"."""
+    return [f"{_qualified(owner)}.{name}" for owner, name in _ORIGINALS
+            if (owner, name) != _AT_EXIT]
+
+
+def _qualified(owner: Any) -> str:
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}"
+    return str(owner.__name__)
 
 
 def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
@@ -119,14 +126,14 @@ def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
         _replace(site.trainer, "reduce_per_replica", keras_lib.reduce_per_replica_wrapper)
         backup = importlib.import_module(site.callbacks).BackupAndRestore
         _replace(f"{site.callback_list}:CallbackList", "__init__",
-                 lambda f: keras_lib.callback_list_init_wrapper(f, backup))
+                 functools.partial(keras_lib.callback_list_init_wrapper, backup_class=backup))
         for call in site.write_calls:
             _replace(call.owner, call.name,
-                     lambda f, call=call: calls.write_point_wrapper(f, call))
+                     functools.partial(calls.write_point_wrapper, listed=call))
         if package == "tf_keras":
             for name in _keras_internal.TF_KERAS_FILE_UTIL_NAMES:
                 _replace(_keras_internal.TF_KERAS_FILE_UTILS, name,
-                         lambda f, name=name: keras_lib.file_util_wrapper(f, name))
+                         functools.partial(keras_lib.file_util_wrapper, name=name))
             _replace(f"{_keras_internal.TF_KERAS_TRAINING_STATE}:WorkerTrainingState",
                      "__init__", keras_lib.training_state_init_wrapper)
     except (ImportError, AttributeError) as exc:  # pragma: no cover - another Keras
@@ -135,7 +142,7 @@ def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
                        package, exc)
 
 
-def _write_call_wrapper(original: Any, call: _tf_internal.WriteCall,
+def _write_call_wrapper(original: Any, *, call: _tf_internal.WriteCall,
                         synchronous: bool) -> Any:
     wrapper = calls.write_point_wrapper(original, call)
     return calls.synchronous_checkpoint_wrapper(wrapper) if synchronous else wrapper

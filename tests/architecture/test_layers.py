@@ -71,7 +71,8 @@ def test_every_process_wide_effect_is_in_the_docs_table():
 def test_install_replaces_each_listed_call_once_and_uninstall_puts_every_original_back():
     from tensorflow.python.checkpoint import checkpoint
     installed = effects.installed()
-    assert "Checkpoint._write" in installed and len(installed) == len(set(installed))
+    assert "tensorflow.python.checkpoint.checkpoint.Checkpoint._write" in installed
+    assert len(installed) == len(set(installed))
     wrapped = checkpoint.Checkpoint._write
     effects.install()  # idempotent: nothing is wrapped twice
     assert checkpoint.Checkpoint._write is wrapped
