@@ -149,4 +149,4 @@ def test_allreduce_reuses_its_buffers_in_steady_state():
     for step in range(10):
         out = summed(tf.fill([BIG], float(step)))
         np.testing.assert_array_equal(out[1].numpy(), np.full([BIG], 2 * step * SIZE))
-    assert len(mpi._pool._slots) <= 2  # this step's buffer and the last one's
+    assert len(mpi.collectives._pool._slots) <= 2  # this step's buffer and the last one's
