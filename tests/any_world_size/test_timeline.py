@@ -2,6 +2,7 @@
 split into waiting for the other ranks and transferring; off, nothing changes."""
 
 import os
+import socket
 import time
 
 import numpy as np
@@ -75,3 +76,24 @@ def test_a_file_cut_short_by_a_crash_still_reads(tmp_path):
         f.write('[\n{"name": "a", "ph": "X", "ts": 1, "dur": 2, "pid": 0, "tid": 0},\n'
                 '{"name": "b", "ph": "X", "ts": 3, "dur": 1, "pid": 0, "tid": 0}')
     assert [e["name"] for e in timeline.read_events(path)] == ["a", "b"]
+
+
+def test_files_are_named_by_the_rank_in_comm_world(monkeypatch, shared_dir):
+    """Two strategies on disjoint COMM_WORLD.Split communicators never share a
+    file: here rank r is rank SIZE-1-r of the communicator, and still writes
+    trace.rank<r>.json."""
+    if SIZE == 1:
+        pytest.skip("a 1-rank world calls no MPI (no timeline events)")
+    reversed_ranks = WORLD.Split(0, SIZE - 1 - RANK)
+    assert reversed_ranks.Get_rank() == SIZE - 1 - RANK
+    path = os.path.join(shared_dir, "split.json")
+    monkeypatch.setenv(timeline.ENV_VAR, path)
+    mpi = OrderedComm(reversed_ranks)
+    mpi.allreduce_sum(tf.ones([3]))
+    timeline_lib.current().close()
+    WORLD.Barrier()
+    events = timeline.read_events(timeline.rank_path(path, RANK))
+    assert [e["args"]["name"] for e in events if e["name"] == "process_name"] == [
+        f"rank {RANK} ({socket.gethostname()})"]
+    assert sorted(os.listdir(shared_dir)) == sorted(
+        os.path.basename(timeline.rank_path(path, r)) for r in range(SIZE))
