@@ -88,7 +88,7 @@ class Timeline:
                 self._file = None
 
 
-_current: dict[str, Timeline] = {}
+_timelines: dict[str, Timeline] = {}
 _SPAWNED_PID_OFFSET = 100_000  # a replacement's row, apart from the original ranks'
 
 
@@ -97,16 +97,16 @@ def current() -> Timeline | None:
     path = os.environ.get(ENV_VAR)
     if not path:
         return None
-    if path not in _current:
+    if path not in _timelines:
         spawned = MPI.Comm.Get_parent() != MPI.COMM_NULL  # a replacement: its own COMM_WORLD
-        _current[path] = Timeline(path, MPI.COMM_WORLD.Get_rank(),
+        _timelines[path] = Timeline(path, MPI.COMM_WORLD.Get_rank(),
                                   f"-spawned-{os.getpid()}" if spawned else "")
-    return _current[path]
+    return _timelines[path]
 
 
 def close_all() -> None:
     """Ends every timeline file this process writes (at the program's end)."""
-    for timeline in _current.values():
+    for timeline in _timelines.values():
         timeline.close()
 
 

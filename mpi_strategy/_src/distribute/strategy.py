@@ -42,7 +42,7 @@ _SCOPE_LISTENERS: list[Callable[[], None]] = []
 # where writes that name no object meet, and where the program's end is
 # agreed on. Held strongly: whether a rank meets the others must never depend
 # on what its program still holds.
-_world: dict[str, MPIStrategy | None] = {"strategy": None}
+_state: dict[str, Any] = {"world": None, "warned_ignored": False}
 
 
 def on_scope(listener: Callable[[], None]) -> None:
@@ -54,7 +54,8 @@ def on_scope(listener: Callable[[], None]) -> None:
 def newest_over_the_world() -> MPIStrategy | None:
     """The newest MPIStrategy over all of ``COMM_WORLD`` with several ranks (or
     all its living ranks after ranks were lost), or None."""
-    return _world["strategy"]
+    world: MPIStrategy | None = _state["world"]
+    return world
 
 
 class MPIStrategy(tf.distribute.Strategy):
@@ -173,7 +174,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         spans the world, and process-wide effects adapt Keras imported so far."""
         failure.arm(self._comm)
         if self._num_ranks > 1 and spans_the_world(self._comm):
-            _world["strategy"] = self._container_strategy()
+            _state["world"] = self._container_strategy()
         _notify_scope_listeners()
 
     @property
@@ -194,7 +195,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         self._num_ranks = comm.Get_size()
         self._cross_device_ops = MPICrossDeviceOps(
             comm, self._communication_options, self._cross_device_ops.policy)
-        _world["strategy"] = self._container_strategy()  # all the living ranks
+        _state["world"] = self._container_strategy()  # all the living ranks
         self._cluster_resolver = MPIClusterResolver(
             comm, {_device_type(self._devices[0]): len(self._devices)})
         self._task_id = self._rank
@@ -393,16 +394,13 @@ def default_devices(comm: MPI.Intracomm) -> list[str]:
     return gpus[start:start + per_rank]
 
 
-_warned_ignored: list[bool] = []
-
-
 def _warn_once_if_ignored(options: tf.distribute.experimental.CommunicationOptions) -> None:
     """Says (once per process) which options that MPIStrategy ignores were set."""
     ignored = []
     if options.implementation != tf.distribute.experimental.CommunicationImplementation.AUTO:
         ignored.append(f"implementation={options.implementation.name}")
-    if ignored and not _warned_ignored:
-        _warned_ignored.append(True)
+    if ignored and not _state["warned_ignored"]:
+        _state["warned_ignored"] = True
         logger.warning(
             "MPIStrategy ignores CommunicationOptions(%s): every reduction goes "
             "through MPI, one fused collective per dtype.", ", ".join(ignored))
