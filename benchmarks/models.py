@@ -27,36 +27,42 @@ EMBEDDING_BAG = 16  # ids per example
 
 
 def _mlp():
-    return tf.keras.Sequential([
-        tf.keras.Input((784,)),
-        tf.keras.layers.Dense(1024, activation="relu"),
-        tf.keras.layers.Dense(1024, activation="relu"),
-        tf.keras.layers.Dense(10),
-    ])
+    return tf.keras.Sequential(
+        [
+            tf.keras.Input((784,)),
+            tf.keras.layers.Dense(1024, activation="relu"),
+            tf.keras.layers.Dense(1024, activation="relu"),
+            tf.keras.layers.Dense(10),
+        ]
+    )
 
 
 def _cnn():
-    return tf.keras.Sequential([
-        tf.keras.Input((32, 32, 3)),
-        tf.keras.layers.Conv2D(32, 3, activation="relu"),
-        tf.keras.layers.Conv2D(32, 3, activation="relu"),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Conv2D(64, 3, activation="relu"),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(64, activation="relu"),
-        tf.keras.layers.Dense(10),
-    ])
+    return tf.keras.Sequential(
+        [
+            tf.keras.Input((32, 32, 3)),
+            tf.keras.layers.Conv2D(32, 3, activation="relu"),
+            tf.keras.layers.Conv2D(32, 3, activation="relu"),
+            tf.keras.layers.MaxPooling2D(),
+            tf.keras.layers.Conv2D(64, 3, activation="relu"),
+            tf.keras.layers.MaxPooling2D(),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(64, activation="relu"),
+            tf.keras.layers.Dense(10),
+        ]
+    )
 
 
 def _embedding():
-    return tf.keras.Sequential([
-        tf.keras.Input((EMBEDDING_BAG,), dtype="int32"),
-        tf.keras.layers.Embedding(EMBEDDING_VOCAB, 64),
-        tf.keras.layers.GlobalAveragePooling1D(),
-        tf.keras.layers.Dense(64, activation="relu"),
-        tf.keras.layers.Dense(10),
-    ])
+    return tf.keras.Sequential(
+        [
+            tf.keras.Input((EMBEDDING_BAG,), dtype="int32"),
+            tf.keras.layers.Embedding(EMBEDDING_VOCAB, 64),
+            tf.keras.layers.GlobalAveragePooling1D(),
+            tf.keras.layers.Dense(64, activation="relu"),
+            tf.keras.layers.Dense(10),
+        ]
+    )
 
 
 WIDEDEEP_BUCKETS = [32, 64, 32, 64, 16, 16, 8, 64, 256]  # per categorical column
@@ -71,43 +77,64 @@ def _widedeep():
         deep.append(tf.keras.layers.Embedding(buckets, 8)(one))
     hidden = tf.keras.layers.Dense(64, activation="relu")(tf.keras.layers.Concatenate()(deep))
     hidden = tf.keras.layers.Dense(32, activation="relu")(hidden)
-    logits = tf.keras.layers.Add()([tf.keras.layers.Dense(2)(hidden),
-                                    tf.keras.layers.Dense(2)(tf.keras.layers.Concatenate()(wide))])
+    logits = tf.keras.layers.Add()(
+        [
+            tf.keras.layers.Dense(2)(hidden),
+            tf.keras.layers.Dense(2)(tf.keras.layers.Concatenate()(wide)),
+        ]
+    )
     return tf.keras.Model(ids, logits)
 
 
 def _lenet3():
-    return tf.keras.Sequential([
-        tf.keras.Input((28, 28, 1)),
-        tf.keras.layers.Conv2D(20, 5, activation="relu"),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Conv2D(50, 5, activation="relu"),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(500, activation="relu"),
-        tf.keras.layers.Dense(10),
-    ])
+    return tf.keras.Sequential(
+        [
+            tf.keras.Input((28, 28, 1)),
+            tf.keras.layers.Conv2D(20, 5, activation="relu"),
+            tf.keras.layers.MaxPooling2D(),
+            tf.keras.layers.Conv2D(50, 5, activation="relu"),
+            tf.keras.layers.MaxPooling2D(),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(500, activation="relu"),
+            tf.keras.layers.Dense(10),
+        ]
+    )
 
 
 def _higgs():
     return tf.keras.Sequential(
         [tf.keras.Input((28,))]
         + [tf.keras.layers.Dense(300, activation="tanh") for _ in range(5)]
-        + [tf.keras.layers.Dense(2)])
+        + [tf.keras.layers.Dense(2)]
+    )
 
 
 def _higgs_small():
     return tf.keras.Sequential(
         [tf.keras.Input((28,))]
         + [tf.keras.layers.Dense(128, activation="relu") for _ in range(3)]
-        + [tf.keras.layers.Dense(2)])
+        + [tf.keras.layers.Dense(2)]
+    )
 
 
-BUILDERS = {"mlp": _mlp, "cnn": _cnn, "embedding": _embedding, "widedeep": _widedeep,
-            "lenet3": _lenet3, "higgs": _higgs,
-            "higgs_small": _higgs_small}
-CLASSES = {"mlp": 10, "cnn": 10, "embedding": 10, "widedeep": 2, "lenet3": 10, "higgs": 2,
-           "higgs_small": 2}
+BUILDERS = {
+    "mlp": _mlp,
+    "cnn": _cnn,
+    "embedding": _embedding,
+    "widedeep": _widedeep,
+    "lenet3": _lenet3,
+    "higgs": _higgs,
+    "higgs_small": _higgs_small,
+}
+CLASSES = {
+    "mlp": 10,
+    "cnn": 10,
+    "embedding": 10,
+    "widedeep": 2,
+    "lenet3": 10,
+    "higgs": 2,
+    "higgs_small": 2,
+}
 
 
 def build(name):
@@ -132,9 +159,15 @@ def batch(name, size, seed=0):
 
 
 def build_input_shape(name):
-    return {"mlp": (784,), "cnn": (32, 32, 3), "embedding": (EMBEDDING_BAG,),
-            "widedeep": (len(WIDEDEEP_BUCKETS),),
-            "lenet3": (28, 28, 1), "higgs": (28,), "higgs_small": (28,)}[name]
+    return {
+        "mlp": (784,),
+        "cnn": (32, 32, 3),
+        "embedding": (EMBEDDING_BAG,),
+        "widedeep": (len(WIDEDEEP_BUCKETS),),
+        "lenet3": (28, 28, 1),
+        "higgs": (28,),
+        "higgs_small": (28,),
+    }[name]
 
 
 def parameter_count(name):

@@ -18,15 +18,19 @@ VARIANT_NAMES = {
     "mwms": "MultiWorkerMirroredStrategy, {r} workers (RING)",
     "ceiling": "ceiling: {r} independent processes x batch/{r}",
 }
-MODEL_NAMES = {"mlp": "MLP 784-1024-1024-10", "cnn": "CNN conv 32/32/64 + fc 64 (32x32x3)",
-               "embedding": "embedding 100k x 64, bag of 16 ids",
-               "widedeep": "wide & deep, 18 small embedding tables (Adult)",
-               "higgs_small": "Higgs-sized DNN 28-128x3-2 (latency-bound)"}
+MODEL_NAMES = {
+    "mlp": "MLP 784-1024-1024-10",
+    "cnn": "CNN conv 32/32/64 + fc 64 (32x32x3)",
+    "embedding": "embedding 100k x 64, bag of 16 ids",
+    "widedeep": "wide & deep, 18 small embedding tables (Adult)",
+    "higgs_small": "Higgs-sized DNN 28-128x3-2 (latency-bound)",
+}
 
 
 def _variant(result, model, variant):
-    return next((r for r in result["train_step"]
-                 if r["model"] == model and r["variant"] == variant), None)
+    return next(
+        (r for r in result["train_step"] if r["model"] == model and r["variant"] == variant), None
+    )
 
 
 def _ms(result, model, variant):
@@ -53,30 +57,59 @@ def targets(result):
     rss = [rss_ratio(result, m, v) for m in MODEL_NAMES for v in ("mpi_1_rank", "mpi")]
     rss = [r for r in rss if r is not None]
     rows = [
-        ("fused batch_reduce of the MLP's 6 gradients (7.45 MB) / raw Allreduce of 7.45 MB",
-         fused and fused["ratio_to_raw"], "<= 1.25", lambda v: v <= 1.25),
-        (f"scalar ({scalar['bytes']} B) reduce overhead in tf.function, ms",
-         scalar["reduce_overhead_ms"], "<= 0.5", lambda v: v <= 0.5),
-        ("MLP step: ceiling / MPIStrategy (ms/step ratio)",
-         _ratio(_ms(result, "mlp", "ceiling"), _ms(result, "mlp", "mpi")), ">= 0.92",
-         lambda v: v >= 0.92),
-        ("MLP step: MultiWorkerMirroredStrategy / MPIStrategy (ms/step ratio)",
-         _ratio(_ms(result, "mlp", "mwms"), _ms(result, "mlp", "mpi")), ">= 1.6",
-         lambda v: v >= 1.6),
-        ("MLP step: MPIStrategy 1 rank / no strategy",
-         _ratio(_ms(result, "mlp", "mpi_1_rank"), _ms(result, "mlp", "no_strategy")),
-         "0.95 - 1.05", lambda v: abs(v - 1) <= 0.05),
-        ("Higgs-sized DNN step: ceiling / MPIStrategy (ms/step ratio)",
-         _ratio(_ms(result, "higgs_small", "ceiling"), _ms(result, "higgs_small", "mpi")),
-         ">= 0.8", lambda v: v >= 0.8),
-        ("wide & deep step: MPIStrategy / no strategy, 1 process (ms/step ratio)",
-         _ratio(_ms(result, "widedeep", "mpi"), _ms(result, "widedeep", "no_strategy")),
-         "<= 1.0", lambda v: v <= 1.0),
-        ("peak RSS per rank, MPIStrategy / no strategy (worst model and rank count)",
-         max(rss) if rss else None, "<= 1.15", lambda v: v <= 1.15),
+        (
+            "fused batch_reduce of the MLP's 6 gradients (7.45 MB) / raw Allreduce of 7.45 MB",
+            fused and fused["ratio_to_raw"],
+            "<= 1.25",
+            lambda v: v <= 1.25,
+        ),
+        (
+            f"scalar ({scalar['bytes']} B) reduce overhead in tf.function, ms",
+            scalar["reduce_overhead_ms"],
+            "<= 0.5",
+            lambda v: v <= 0.5,
+        ),
+        (
+            "MLP step: ceiling / MPIStrategy (ms/step ratio)",
+            _ratio(_ms(result, "mlp", "ceiling"), _ms(result, "mlp", "mpi")),
+            ">= 0.92",
+            lambda v: v >= 0.92,
+        ),
+        (
+            "MLP step: MultiWorkerMirroredStrategy / MPIStrategy (ms/step ratio)",
+            _ratio(_ms(result, "mlp", "mwms"), _ms(result, "mlp", "mpi")),
+            ">= 1.6",
+            lambda v: v >= 1.6,
+        ),
+        (
+            "MLP step: MPIStrategy 1 rank / no strategy",
+            _ratio(_ms(result, "mlp", "mpi_1_rank"), _ms(result, "mlp", "no_strategy")),
+            "0.95 - 1.05",
+            lambda v: abs(v - 1) <= 0.05,
+        ),
+        (
+            "Higgs-sized DNN step: ceiling / MPIStrategy (ms/step ratio)",
+            _ratio(_ms(result, "higgs_small", "ceiling"), _ms(result, "higgs_small", "mpi")),
+            ">= 0.8",
+            lambda v: v >= 0.8,
+        ),
+        (
+            "wide & deep step: MPIStrategy / no strategy, 1 process (ms/step ratio)",
+            _ratio(_ms(result, "widedeep", "mpi"), _ms(result, "widedeep", "no_strategy")),
+            "<= 1.0",
+            lambda v: v <= 1.0,
+        ),
+        (
+            "peak RSS per rank, MPIStrategy / no strategy (worst model and rank count)",
+            max(rss) if rss else None,
+            "<= 1.15",
+            lambda v: v <= 1.15,
+        ),
     ]
-    return [{"what": w, "value": v, "goal": g, "met": None if v is None else bool(ok(v))}
-            for w, v, g, ok in rows]
+    return [
+        {"what": w, "value": v, "goal": g, "met": None if v is None else bool(ok(v))}
+        for w, v, g, ok in rows
+    ]
 
 
 def _f(value, fmt="{:.2f}"):
@@ -91,7 +124,8 @@ def markdown(result):
         f"{r} ranks{' (QUICK: few repeats, not for quoting)' if result['quick'] else ''}.",
         "",
         f"Machine: {m['cores']} cores, {m['cpu']}, {m['memory_GiB']} GiB; Python {m['python']}; "
-        + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ". "
+        + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+        + ". "
         f"Load average (1/5/15 min) before: {result['load_before']}, "
         f"after: {result['load_after']}.",
         "",
@@ -104,43 +138,65 @@ def markdown(result):
         status = "n/a" if t["met"] is None else ("met" if t["met"] else "not met")
         lines.append(f"| {t['what']} | {_f(t['value'], '{:.3f}')} | {t['goal']} | {status} |")
 
-    lines += ["", f"### Collectives ({r} ranks, float32, inside tf.function)", "",
-              "Strategy time = the function with the reduction minus the same function "
-              "without it. Bus bandwidth = 2(n-1)/n x bytes / time.", "",
-              "| bytes | raw Allreduce ms | MPIStrategy reduce ms | ratio | raw bus GB/s "
-              "| strategy bus GB/s |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        f"### Collectives ({r} ranks, float32, inside tf.function)",
+        "",
+        "Strategy time = the function with the reduction minus the same function "
+        "without it. Bus bandwidth = 2(n-1)/n x bytes / time.",
+        "",
+        "| bytes | raw Allreduce ms | MPIStrategy reduce ms | ratio | raw bus GB/s "
+        "| strategy bus GB/s |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for c in result["collectives"]:
-        lines.append(f"| {c['bytes']:,} | {c['raw_allreduce_ms']:.3f} | "
-                     f"{c['reduce_overhead_ms']:.3f} | {c['ratio_to_raw']:.2f} | "
-                     f"{c['raw_bus_bandwidth_GBps']:.3f} | {c['strategy_bus_bandwidth_GBps']:.3f} |")
-    lines += ["", "Many tensors at once (a model's gradients, as the Keras optimizer reduces them):",
-              "", "| gradients of | tensors | bytes | raw: 1 Allreduce ms | raw: 1 per tensor ms "
-              "| MPIStrategy fused (1 all_reduce) ms | MPIStrategy 1 reduce per tensor ms "
-              "| fused / raw | strategy bus GB/s | fused, compression=\"float16\" ms |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines.append(
+            f"| {c['bytes']:,} | {c['raw_allreduce_ms']:.3f} | "
+            f"{c['reduce_overhead_ms']:.3f} | {c['ratio_to_raw']:.2f} | "
+            f"{c['raw_bus_bandwidth_GBps']:.3f} | {c['strategy_bus_bandwidth_GBps']:.3f} |"
+        )
+    lines += [
+        "",
+        "Many tensors at once (a model's gradients, as the Keras optimizer reduces them):",
+        "",
+        "| gradients of | tensors | bytes | raw: 1 Allreduce ms | raw: 1 per tensor ms "
+        "| MPIStrategy fused (1 all_reduce) ms | MPIStrategy 1 reduce per tensor ms "
+        '| fused / raw | strategy bus GB/s | fused, compression="float16" ms |',
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for b in result["batch_reduce"]:
-        lines.append(f"| {b['model']} | {b['tensors']} | {b['bytes']:,} | "
-                     f"{b['raw_allreduce_ms']:.3f} | {b['raw_allreduce_per_tensor_ms']:.3f} | "
-                     f"{b['fused_reduce_overhead_ms']:.3f} | "
-                     f"{b['per_tensor_reduce_overhead_ms']:.3f} | {b['ratio_to_raw']:.2f} | "
-                     f"{b['strategy_bus_bandwidth_GBps']:.3f} | "
-                     f"{_f(b.get('fused_float16_reduce_overhead_ms'), '{:.3f}')} |")
+        lines.append(
+            f"| {b['model']} | {b['tensors']} | {b['bytes']:,} | "
+            f"{b['raw_allreduce_ms']:.3f} | {b['raw_allreduce_per_tensor_ms']:.3f} | "
+            f"{b['fused_reduce_overhead_ms']:.3f} | "
+            f"{b['per_tensor_reduce_overhead_ms']:.3f} | {b['ratio_to_raw']:.2f} | "
+            f"{b['strategy_bus_bandwidth_GBps']:.3f} | "
+            f"{_f(b.get('fused_float16_reduce_overhead_ms'), '{:.3f}')} |"
+        )
 
     check = result.get("check")
     if check:
-        lines += ["", f"The agreement check that precedes every collective (one small "
-                  f"Allgather of what each rank is about to do, always on) costs "
-                  f"{check['check_scalar_ms'] * 1e3:.1f} us for a scalar and "
-                  f"{check['check_mlp_gradients_ms'] * 1e3:.1f} us for the MLP's 6 gradients "
-                  f"at {check['ranks']} ranks: included in every strategy figure above."]
+        lines += [
+            "",
+            f"The agreement check that precedes every collective (one small "
+            f"Allgather of what each rank is about to do, always on) costs "
+            f"{check['check_scalar_ms'] * 1e3:.1f} us for a scalar and "
+            f"{check['check_mlp_gradients_ms'] * 1e3:.1f} us for the MLP's 6 gradients "
+            f"at {check['ranks']} ranks: included in every strategy figure above.",
+        ]
 
-    lines += ["", "### Training step", "",
-              "Median ms/step of the timed steps (slowest process); samples/s = global batch "
-              "/ step time; peak RSS = VmHWM of each process (max over ranks), ratio to the "
-              "no-strategy process.", "",
-              "| model (global batch) | variant | ms/step | samples/s | vs no strategy "
-              "| peak RSS MiB | RSS ratio | note |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines += [
+        "",
+        "### Training step",
+        "",
+        "Median ms/step of the timed steps (slowest process); samples/s = global batch "
+        "/ step time; peak RSS = VmHWM of each process (max over ranks), ratio to the "
+        "no-strategy process.",
+        "",
+        "| model (global batch) | variant | ms/step | samples/s | vs no strategy "
+        "| peak RSS MiB | RSS ratio | note |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for model, title in MODEL_NAMES.items():
         base = _ms(result, model, "no_strategy")
         for row in (x for x in result["train_step"] if x["model"] == model):
@@ -156,45 +212,72 @@ def markdown(result):
                 f"| {title} ({row['global_batch']}) | {name} | {_f(ms, '{:.1f}')} | "
                 f"{_f(row.get('samples_per_s'), '{:.0f}')} | {_f(_ratio(ms, base))} | "
                 f"{_f(max(rss) if rss else None, '{:.0f}')} | "
-                f"{_f(rss_ratio(result, model, row['variant']))} | {note} |")
+                f"{_f(rss_ratio(result, model, row['variant']))} | {note} |"
+            )
 
     cm = result["cost_model"]
     cal = cm["calibration"]
-    lines += ["", "### Scaling model", "",
-              f"Allreduce formula: {cm['algorithm']}. Fitted on this run's raw Allreduce "
-              f"times at {cal['ranks']} ranks: alpha = {cal['alpha_s'] * 1e6:.2f} us, "
-              f"beta = {cal['beta_s_per_byte'] * 1e12:.1f} ps/B "
-              f"({cal['bandwidth_GBps']:.2f} GB/s), relative RMS error "
-              f"{cal['relative_rms_error']:.0%}. {cm['cores_per_node']} cores per node "
-              "(assumed).", "",
-              "| workload | parameters | per-replica batch | compute ms/step (1 core, here) |",
-              "| --- | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "### Scaling model",
+        "",
+        f"Allreduce formula: {cm['algorithm']}. Fitted on this run's raw Allreduce "
+        f"times at {cal['ranks']} ranks: alpha = {cal['alpha_s'] * 1e6:.2f} us, "
+        f"beta = {cal['beta_s_per_byte'] * 1e12:.1f} ps/B "
+        f"({cal['bandwidth_GBps']:.2f} GB/s), relative RMS error "
+        f"{cal['relative_rms_error']:.0%}. {cm['cores_per_node']} cores per node "
+        "(assumed).",
+        "",
+        "| workload | parameters | per-replica batch | compute ms/step (1 core, here) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     for name, w in cm["workloads"].items():
         lines.append(f"| {name} | {w['params']:,} | 32 | {w['compute_s'] * 1e3:.1f} |")
-    lines += ["", "| workload | network between nodes | cores (over) | paper speedup "
-              "| projected speedup | projected step ms | of which allreduce ms |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "| workload | network between nodes | cores (over) | paper speedup "
+        "| projected speedup | projected step ms | of which allreduce ms |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
     for c in cm["paper_comparison"]:
-        lines.append(f"| {c['workload']} | {c['network']} | {c['cores']} (over "
-                     f"{c['base_cores']}) | {c['paper_speedup']:.2f} | "
-                     f"{c['projected_speedup']:.1f} | {c['projected_step_ms']:.1f} | "
-                     f"{c['projected_allreduce_ms']:.2f} |")
+        lines.append(
+            f"| {c['workload']} | {c['network']} | {c['cores']} (over "
+            f"{c['base_cores']}) | {c['paper_speedup']:.2f} | "
+            f"{c['projected_speedup']:.1f} | {c['projected_step_ms']:.1f} | "
+            f"{c['projected_allreduce_ms']:.2f} |"
+        )
     shown = [16, 32, 40, 64, 80, 160, 320]
-    lines += ["", "Projected speedup over 1 core (16-64 cores; 2, 4, 8, 16 nodes = 40-320 "
-              "cores):", "", "| workload | network | " + " | ".join(
-                  f"{p} cores" for p in shown) + " |", "| --- | --- |" + " ---: |" * len(shown)]
+    lines += [
+        "",
+        "Projected speedup over 1 core (16-64 cores; 2, 4, 8, 16 nodes = 40-320 cores):",
+        "",
+        "| workload | network | " + " | ".join(f"{p} cores" for p in shown) + " |",
+        "| --- | --- |" + " ---: |" * len(shown),
+    ]
     for name in cm["workloads"]:
         for label in cm["networks"]:
-            by = {x["cores"]: x for x in cm["projection"]
-                  if x["workload"] == name and x["network"] == label}
-            lines.append(f"| {name} | {label.split(' (')[0]} | " + " | ".join(
-                f"{by[p]['speedup']:.1f}" for p in shown) + " |")
+            by = {
+                x["cores"]: x
+                for x in cm["projection"]
+                if x["workload"] == name and x["network"] == label
+            }
+            lines.append(
+                f"| {name} | {label.split(' (')[0]} | "
+                + " | ".join(f"{by[p]['speedup']:.1f}" for p in shown)
+                + " |"
+            )
 
     lines += _timeline_lines(result)
-    lines += ["", "### Plots", "",
-              "![collectives](img/collectives.png)", "",
-              "![training step](img/train_step.png)", "",
-              "![scaling](img/scaling.png)"]
+    lines += [
+        "",
+        "### Plots",
+        "",
+        "![collectives](img/collectives.png)",
+        "",
+        "![training step](img/train_step.png)",
+        "",
+        "![scaling](img/scaling.png)",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -203,29 +286,40 @@ def _timeline_lines(result):
     parts = result.get("timeline") or {}
     if not parts:
         return []
-    lines = ["", "### Where a latency-bound step's time goes (timeline)", "",
-             "`MPI_STRATEGY_TIMELINE` on, median step per rank (ms): waiting for the other "
-             "ranks in collectives, transferring, and everything outside collectives (the "
-             "model's compute and TensorFlow's per-step work). The timeline's own cost is in "
-             "these figures.", "",
-             "| model | rank | collectives / step | step | wait for ranks | transfer "
-             "| outside collectives |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "",
+        "### Where a latency-bound step's time goes (timeline)",
+        "",
+        "`MPI_STRATEGY_TIMELINE` on, median step per rank (ms): waiting for the other "
+        "ranks in collectives, transferring, and everything outside collectives (the "
+        "model's compute and TensorFlow's per-step work). The timeline's own cost is in "
+        "these figures.",
+        "",
+        "| model | rank | collectives / step | step | wait for ranks | transfer "
+        "| outside collectives |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for model, part in parts.items():
         if part.get("error"):
-            lines.append(f"| {MODEL_NAMES.get(model, model)} | failed: "
-                         f"{part['error'].splitlines()[0][:80]} | | | | | |")
+            lines.append(
+                f"| {MODEL_NAMES.get(model, model)} | failed: "
+                f"{part['error'].splitlines()[0][:80]} | | | | | |"
+            )
             continue
         for row in part["ranks"]:
-            lines.append(f"| {MODEL_NAMES.get(model, model)} | {row['rank']} | "
-                         f"{row['collectives_per_step']:.0f} | {row['step_ms']:.3f} | "
-                         f"{row['wait_ms']:.3f} | {row['transfer_ms']:.3f} | "
-                         f"{row['outside_ms']:.3f} |")
+            lines.append(
+                f"| {MODEL_NAMES.get(model, model)} | {row['rank']} | "
+                f"{row['collectives_per_step']:.0f} | {row['step_ms']:.3f} | "
+                f"{row['wait_ms']:.3f} | {row['transfer_ms']:.3f} | "
+                f"{row['outside_ms']:.3f} |"
+            )
     lines += ["", "![timeline](img/timeline.png)"]
     return lines
 
 
 def plot_all(result, img_dir):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -237,20 +331,32 @@ def plot_all(result, img_dir):
     c = result["collectives"]
     x = [row["bytes"] for row in c]
     ax1.loglog(x, [row["raw_allreduce_ms"] for row in c], "o-", label="raw mpi4py Allreduce")
-    ax1.loglog(x, [max(row["reduce_overhead_ms"], 1e-4) for row in c], "s-",
-               label="MPIStrategy reduce (tf.function)")
+    ax1.loglog(
+        x,
+        [max(row["reduce_overhead_ms"], 1e-4) for row in c],
+        "s-",
+        label="MPIStrategy reduce (tf.function)",
+    )
     for b in result["batch_reduce"]:
         ax1.loglog([b["bytes"]], [b["fused_reduce_overhead_ms"]], "D", color="C2")
-        ax1.annotate(f"fused {b['model']} grads ({b['tensors']})", (b["bytes"],
-                     b["fused_reduce_overhead_ms"]), fontsize=8, xytext=(4, -10),
-                     textcoords="offset points")
+        ax1.annotate(
+            f"fused {b['model']} grads ({b['tensors']})",
+            (b["bytes"], b["fused_reduce_overhead_ms"]),
+            fontsize=8,
+            xytext=(4, -10),
+            textcoords="offset points",
+        )
     ax1.set_xlabel("bytes")
     ax1.set_ylabel("ms per reduction")
     ax1.set_title(f"allreduce time, {r} ranks")
     ax1.legend(fontsize=8)
     ax2.semilogx(x, [row["raw_bus_bandwidth_GBps"] for row in c], "o-", label="raw Allreduce")
-    ax2.semilogx(x, [max(row["strategy_bus_bandwidth_GBps"], 0) for row in c], "s-",
-                 label="MPIStrategy reduce")
+    ax2.semilogx(
+        x,
+        [max(row["strategy_bus_bandwidth_GBps"], 0) for row in c],
+        "s-",
+        label="MPIStrategy reduce",
+    )
     ax2.set_xlabel("bytes")
     ax2.set_ylabel("bus bandwidth, GB/s")
     ax2.set_title("bus bandwidth = 2(n-1)/n x bytes / time")
@@ -268,8 +374,15 @@ def plot_all(result, img_dir):
         bars = axes[0][j].bar(range(len(variants)), ms, color=[f"C{i}" for i in range(5)])
         for bar, row in zip(bars, rows):
             if row is None or row.get("error"):
-                axes[0][j].text(bar.get_x() + bar.get_width() / 2, 0, "failed",
-                                ha="center", va="bottom", rotation=90, color="red")
+                axes[0][j].text(
+                    bar.get_x() + bar.get_width() / 2,
+                    0,
+                    "failed",
+                    ha="center",
+                    va="bottom",
+                    rotation=90,
+                    color="red",
+                )
         axes[0][j].set_title(f"{model} (global batch {rows[0]['global_batch']})", fontsize=10)
         axes[0][j].set_ylabel("ms/step (median)")
         ratios = [rss_ratio(result, model, v) or 0 for v in variants]
@@ -278,26 +391,38 @@ def plot_all(result, img_dir):
         axes[1][j].set_ylabel("peak RSS / no strategy")
         for ax in (axes[0][j], axes[1][j]):
             ax.set_xticks(range(len(variants)))
-            ax.set_xticklabels(["none", "MPI 1", f"MPI {r}", f"MWMS {r}", "ceiling"],
-                               fontsize=8)
-    fig.suptitle(f"training step, {result['machine']['cores']}-core CPU, "
-                 "1 intra-op thread per process (dashed: RSS target 1.15)", fontsize=10)
+            ax.set_xticklabels(["none", "MPI 1", f"MPI {r}", f"MWMS {r}", "ceiling"], fontsize=8)
+    fig.suptitle(
+        f"training step, {result['machine']['cores']}-core CPU, "
+        "1 intra-op thread per process (dashed: RSS target 1.15)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(os.path.join(img_dir, "train_step.png"), dpi=90)
     plt.close(fig)
 
     # Scaling: projected speedup vs cores, with the paper's points.
     from benchmarks.cost_model import PAPER_WORKLOADS
+
     cm = result["cost_model"]
     fig, axes = plt.subplots(1, len(cm["workloads"]), figsize=(13, 4.2))
     for ax, name in zip(axes, cm["workloads"]):
         cores, paper, base = PAPER_WORKLOADS[name]["paper"]
         for k, label in enumerate(cm["networks"]):
-            by = {x["cores"]: x["speedup"] for x in cm["projection"]
-                  if x["workload"] == name and x["network"] == label}
+            by = {
+                x["cores"]: x["speedup"]
+                for x in cm["projection"]
+                if x["workload"] == name and x["network"] == label
+            }
             ps = [p for p in sorted(by) if p >= base]
-            ax.loglog(ps, [by[p] / by[base] for p in ps], "o-", ms=3, color=f"C{k}",
-                      label=label.split(" (")[0] + " (model)")
+            ax.loglog(
+                ps,
+                [by[p] / by[base] for p in ps],
+                "o-",
+                ms=3,
+                color=f"C{k}",
+                label=label.split(" (")[0] + " (model)",
+            )
         ps = [p for p in sorted({x["cores"] for x in cm["projection"]}) if p >= base]
         ax.loglog(ps, [p / base for p in ps], ":", color="gray", label="linear")
         ax.plot([cores], [paper], "*", ms=14, color="red", label="paper")
@@ -308,8 +433,9 @@ def plot_all(result, img_dir):
         ax.set_xlabel("cores (20 per node)")
         ax.set_ylabel(f"speedup over {base} core{'s' if base > 1 else ''}")
         ax.legend(fontsize=7)
-    fig.suptitle("alpha-beta projection (per-replica batch 32) vs the paper's measurements",
-                 fontsize=10)
+    fig.suptitle(
+        "alpha-beta projection (per-replica batch 32) vs the paper's measurements", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(os.path.join(img_dir, "scaling.png"), dpi=90)
     plt.close(fig)
@@ -328,12 +454,14 @@ def update_docs(docs_path, text):
 
 def _plot_timeline(result, img_dir):
     from benchmarks import timeline_view
+
     part = (result.get("timeline") or {}).get("higgs_small") or {}
     if part.get("ranks") and os.path.exists(part["trace"]):
-        timeline_view.plot(timeline_view.timeline.read_events(part["trace"]),
-                           os.path.join(img_dir, "timeline.png"),
-                           f"{MODEL_NAMES['higgs_small']}: 3 steps, MPIStrategy, "
-                           f"{result['ranks']} ranks")
+        timeline_view.plot(
+            timeline_view.timeline.read_events(part["trace"]),
+            os.path.join(img_dir, "timeline.png"),
+            f"{MODEL_NAMES['higgs_small']}: 3 steps, MPIStrategy, {result['ranks']} ranks",
+        )
 
 
 def write_all(result, out_dir, img_dir, docs_path=None):
@@ -351,18 +479,26 @@ def write_all(result, out_dir, img_dir, docs_path=None):
 def main():
     import argparse
     import json
+
     parser = argparse.ArgumentParser(description="Redo tables and plots from a results file.")
     parser.add_argument("results", nargs="?", default="benchmarks/results/latest.json")
-    parser.add_argument("--docs", action="store_true",
-                        help="write docs/img and docs/benchmarks.md (else next to the results)")
+    parser.add_argument(
+        "--docs",
+        action="store_true",
+        help="write docs/img and docs/benchmarks.md (else next to the results)",
+    )
     args = parser.parse_args()
     with open(args.results) as f:
         result = json.load(f)
     out_dir = os.path.dirname(os.path.abspath(args.results))
     if args.docs:
         docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
-        write_all(result, out_dir, os.path.join(docs, "img"),
-                  docs_path=os.path.join(docs, "benchmarks.md"))
+        write_all(
+            result,
+            out_dir,
+            os.path.join(docs, "img"),
+            docs_path=os.path.join(docs, "benchmarks.md"),
+        )
     else:
         write_all(result, out_dir, os.path.join(out_dir, "img"))
     print(os.path.join(out_dir, "latest.md"))

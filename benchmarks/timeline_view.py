@@ -19,8 +19,10 @@ PARTS = ("wait for ranks", "transfer")
 
 def _collectives(events, rank):
     """Rank ``rank``'s collectives in time order: (start, end, wait, transfer, name) in us."""
-    spans = sorted((e for e in events if e.get("ph") == "X" and e["pid"] == rank),
-                   key=lambda e: (e["ts"], -e["dur"]))
+    spans = sorted(
+        (e for e in events if e.get("ph") == "X" and e["pid"] == rank),
+        key=lambda e: (e["ts"], -e["dur"]),
+    )
     out = []
     for e in spans:
         if e["name"] not in PARTS:
@@ -48,19 +50,26 @@ def summary(events):
         for begin, end in zip(starts, starts[1:]):
             inside = [s for s in spans if begin <= s[0] < end]
             wait, transfer = sum(s[2] for s in inside), sum(s[3] for s in inside)
-            steps.append((end - begin, wait, transfer, end - begin - wait - transfer,
-                          len(inside)))
+            steps.append((end - begin, wait, transfer, end - begin - wait - transfer, len(inside)))
         med = np.median(np.array(steps), axis=0)
         med = [float(v) for v in med]
-        rows.append({"rank": rank, "collectives_per_step": med[4],
-                     "step_ms": med[0] / 1e3, "wait_ms": med[1] / 1e3,
-                     "transfer_ms": med[2] / 1e3, "outside_ms": med[3] / 1e3})
+        rows.append(
+            {
+                "rank": rank,
+                "collectives_per_step": med[4],
+                "step_ms": med[0] / 1e3,
+                "wait_ms": med[1] / 1e3,
+                "transfer_ms": med[2] / 1e3,
+                "outside_ms": med[3] / 1e3,
+            }
+        )
     return rows
 
 
 def plot(events, png_path, title, steps=3):
     """Draws ``steps`` steps from the middle of the trace, one row per rank."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -76,17 +85,26 @@ def plot(events, png_path, title, steps=3):
         ax.broken_barh([(0, (t1 - t0) / 1e3)], (row - 0.3, 0.6), color="#dddddd")
         for start, _, wait, transfer, _ in _collectives(events, rank):
             if t0 - 1e3 <= start <= t1:
-                ax.broken_barh([((start - t0) / 1e3, wait / 1e3)], (row - 0.3, 0.6),
-                               color="#f28e2b")
-                ax.broken_barh([((start + wait - t0) / 1e3, transfer / 1e3)],
-                               (row - 0.3, 0.6), color="#4e79a7")
+                ax.broken_barh(
+                    [((start - t0) / 1e3, wait / 1e3)], (row - 0.3, 0.6), color="#f28e2b"
+                )
+                ax.broken_barh(
+                    [((start + wait - t0) / 1e3, transfer / 1e3)], (row - 0.3, 0.6), color="#4e79a7"
+                )
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_xlim(0, (t1 - t0) / 1e3)
     ax.set_xlabel("ms")
     ax.set_title(title, fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#dddddd", "#f28e2b", "#4e79a7")]
-    ax.legend(handles, ["outside collectives (compute, TF)", "wait for ranks", "transfer"],
-              loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=3, fontsize=8, frameon=False)
+    ax.legend(
+        handles,
+        ["outside collectives (compute, TF)", "wait for ranks", "transfer"],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.45),
+        ncol=3,
+        fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
     fig.savefig(png_path, dpi=110)

@@ -44,6 +44,7 @@ def peak_rss_mb():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -52,11 +53,13 @@ def make_strategy(mode):
     if mode == "mpi":
         import mpi_strategy
         from mpi4py import MPI
+
         strategy = mpi_strategy.MPIStrategy()
         return strategy, MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     if mode == "mwms":
         options = tf.distribute.experimental.CommunicationOptions(
-            implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+            implementation=tf.distribute.experimental.CommunicationImplementation.RING
+        )
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         resolver = strategy.cluster_resolver
         return strategy, resolver.task_id, len(resolver.cluster_spec().as_dict()["worker"])
@@ -75,8 +78,9 @@ def run_model(name, strategy, global_batch, steps, warmup, commit_every=None):
 
     def gradients():
         with tf.GradientTape() as tape:
-            loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)),
-                                              global_batch_size=global_batch)
+            loss = tf.nn.compute_average_loss(
+                loss_fn(y, model(x, training=True)), global_batch_size=global_batch
+            )
         return loss, tape.gradient(loss, model.trainable_variables)
 
     def replica_step():
@@ -119,18 +123,21 @@ def run_model(name, strategy, global_batch, steps, warmup, commit_every=None):
         times = timed_steps()
     else:  # no rank is lost here: the loop is not written to resume
         from mpi_strategy import elastic
+
         state = elastic.State(model, optimizer, step=0)
         times = elastic.run(strategy, state)(timed_steps)()
     timed = np.array(times[warmup:])
-    return {"replicas": replicas, "global_batch": global_batch,
-            "params": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
-            "ms_per_step": float(np.median(timed)) * 1e3,
-            "ms_per_step_mean": float(np.mean(timed)) * 1e3,
-            "ms_per_step_p10_p90": [float(np.percentile(timed, q)) * 1e3 for q in (10, 90)],
-            "state_bytes": int(sum(v.numpy().nbytes
-                                   for v in model.variables + optimizer.variables)),
-            "grad_types_before_reduce": seen["before"],
-            "grad_types_after_reduce": seen["after"]}
+    return {
+        "replicas": replicas,
+        "global_batch": global_batch,
+        "params": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
+        "ms_per_step": float(np.median(timed)) * 1e3,
+        "ms_per_step_mean": float(np.mean(timed)) * 1e3,
+        "ms_per_step_p10_p90": [float(np.percentile(timed, q)) * 1e3 for q in (10, 90)],
+        "state_bytes": int(sum(v.numpy().nbytes for v in model.variables + optimizer.variables)),
+        "grad_types_before_reduce": seen["before"],
+        "grad_types_after_reduce": seen["after"],
+    }
 
 
 def main():
@@ -140,9 +147,13 @@ def main():
     parser.add_argument("--batch", type=int, default=256, help="global batch")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--elastic-commit-every", type=int, metavar="N",
-                        help="mpi mode: time the loop inside elastic.run, committing every "
-                        "N steps (0: no commits in the loop)")
+    parser.add_argument(
+        "--elastic-commit-every",
+        type=int,
+        metavar="N",
+        help="mpi mode: time the loop inside elastic.run, committing every "
+        "N steps (0: no commits in the loop)",
+    )
     args = parser.parse_args()
     if args.elastic_commit_every is not None and args.mode != "mpi":
         parser.error("--elastic-commit-every needs mode mpi")
@@ -156,8 +167,11 @@ def main():
     for name in args.models.split(","):
         row = {"model": name, "mode": args.mode, "rank": rank, "processes": processes}
         try:
-            row.update(run_model(name, strategy, args.batch, args.steps, args.warmup,
-                                 args.elastic_commit_every))
+            row.update(
+                run_model(
+                    name, strategy, args.batch, args.steps, args.warmup, args.elastic_commit_every
+                )
+            )
         except Exception as e:
             if args.mode == "mpi":
                 raise  # the strategy's hook aborts the whole job; the driver records it
@@ -167,8 +181,7 @@ def main():
 
 
 def _type_names(values):
-    return sorted({"IndexedSlices" if isinstance(g, tf.IndexedSlices) else "dense"
-                   for g in values})
+    return sorted({"IndexedSlices" if isinstance(g, tf.IndexedSlices) else "dense" for g in values})
 
 
 def _describe(e):

@@ -11,19 +11,34 @@ import keras
 def argument_parser(doc, *, epochs, batch_per_replica, examples):
     """The options every workload has; the example may add its own."""
     parser = argparse.ArgumentParser(
-        description=doc.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--data", metavar="PATH",
-                        help="the real dataset (see the module docstring); "
-                             "default: synthetic data of the same shape and type")
+        description=doc.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--data",
+        metavar="PATH",
+        help="the real dataset (see the module docstring); "
+        "default: synthetic data of the same shape and type",
+    )
     parser.add_argument("--epochs", type=int, default=epochs)
-    parser.add_argument("--batch-per-replica", type=int, default=batch_per_replica,
-                        help="global batch = this x strategy.num_replicas_in_sync")
-    parser.add_argument("--examples", type=int, default=examples,
-                        help="number of synthetic training examples (ignored with --data)")
-    parser.add_argument("--steps-per-epoch", type=int, default=None,
-                        help="stop each epoch after this many steps (for smoke tests); "
-                             "default: one pass over the data")
+    parser.add_argument(
+        "--batch-per-replica",
+        type=int,
+        default=batch_per_replica,
+        help="global batch = this x strategy.num_replicas_in_sync",
+    )
+    parser.add_argument(
+        "--examples",
+        type=int,
+        default=examples,
+        help="number of synthetic training examples (ignored with --data)",
+    )
+    parser.add_argument(
+        "--steps-per-epoch",
+        type=int,
+        default=None,
+        help="stop each epoch after this many steps (for smoke tests); "
+        "default: one pass over the data",
+    )
     return parser
 
 
@@ -56,9 +71,11 @@ class Throughput(keras.callbacks.Callback):
         rate = self.steps * self.global_batch / max(self.end - self.start, 1e-9)
         # The logs hold global values, the same on every rank. Keras' progress
         # bar ends its line after this callback, so the line waits until then.
-        self.pending = (f"epoch {epoch + 1}/{self.params['epochs']}: loss {logs['loss']:.4f}  "
-                        f"accuracy {logs['accuracy']:.4f}  throughput {rate:,.0f} samples/s "
-                        f"({rate / self.ranks:,.0f} per rank, {self.ranks} ranks)")
+        self.pending = (
+            f"epoch {epoch + 1}/{self.params['epochs']}: loss {logs['loss']:.4f}  "
+            f"accuracy {logs['accuracy']:.4f}  throughput {rate:,.0f} samples/s "
+            f"({rate / self.ranks:,.0f} per rank, {self.ranks} ranks)"
+        )
 
     def on_train_end(self, logs=None):
         self._print_pending()

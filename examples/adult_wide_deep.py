@@ -30,13 +30,35 @@ import tensorflow as tf
 import mpi_strategy
 from _common import Throughput, argument_parser
 
-COLUMNS = ["age", "workclass", "fnlwgt", "education", "education_num", "marital_status",
-           "occupation", "relationship", "race", "sex", "capital_gain", "capital_loss",
-           "hours_per_week", "native_country", "income"]
+COLUMNS = [
+    "age",
+    "workclass",
+    "fnlwgt",
+    "education",
+    "education_num",
+    "marital_status",
+    "occupation",
+    "relationship",
+    "race",
+    "sex",
+    "capital_gain",
+    "capital_loss",
+    "hours_per_week",
+    "native_country",
+    "income",
+]
 NUMERIC = ["age", "fnlwgt", "education_num", "capital_gain", "capital_loss", "hours_per_week"]
 # Hash buckets per categorical column (a few times its number of values).
-CATEGORICAL = {"workclass": 32, "education": 64, "marital_status": 32, "occupation": 64,
-               "relationship": 32, "race": 16, "sex": 8, "native_country": 128}
+CATEGORICAL = {
+    "workclass": 32,
+    "education": 64,
+    "marital_status": 32,
+    "occupation": 64,
+    "relationship": 32,
+    "race": 16,
+    "sex": 8,
+    "native_country": 128,
+}
 # A wide-only column: the pair of values, in 1024 buckets.
 CROSSED, CROSSED_BUCKETS = ("education", "occupation"), 1024
 CROSSED_NAME = "education_x_occupation"
@@ -45,23 +67,84 @@ SHUFFLE_BUFFER = 50_000  # lines
 
 # Values seen in adult.data (the synthetic data draws from these).
 _VALUES = {
-    "workclass": ["Private", "Self-emp-not-inc", "Self-emp-inc", "Federal-gov", "Local-gov",
-                  "State-gov", "Without-pay", "Never-worked"],
-    "education": ["Bachelors", "Some-college", "11th", "HS-grad", "Prof-school", "Assoc-acdm",
-                  "Assoc-voc", "9th", "7th-8th", "12th", "Masters", "1st-4th", "10th",
-                  "Doctorate", "5th-6th", "Preschool"],
-    "marital_status": ["Married-civ-spouse", "Divorced", "Never-married", "Separated", "Widowed",
-                       "Married-spouse-absent", "Married-AF-spouse"],
-    "occupation": ["Tech-support", "Craft-repair", "Other-service", "Sales", "Exec-managerial",
-                   "Prof-specialty", "Handlers-cleaners", "Machine-op-inspct", "Adm-clerical",
-                   "Farming-fishing", "Transport-moving", "Priv-house-serv", "Protective-serv",
-                   "Armed-Forces"],
-    "relationship": ["Wife", "Own-child", "Husband", "Not-in-family", "Other-relative",
-                     "Unmarried"],
+    "workclass": [
+        "Private",
+        "Self-emp-not-inc",
+        "Self-emp-inc",
+        "Federal-gov",
+        "Local-gov",
+        "State-gov",
+        "Without-pay",
+        "Never-worked",
+    ],
+    "education": [
+        "Bachelors",
+        "Some-college",
+        "11th",
+        "HS-grad",
+        "Prof-school",
+        "Assoc-acdm",
+        "Assoc-voc",
+        "9th",
+        "7th-8th",
+        "12th",
+        "Masters",
+        "1st-4th",
+        "10th",
+        "Doctorate",
+        "5th-6th",
+        "Preschool",
+    ],
+    "marital_status": [
+        "Married-civ-spouse",
+        "Divorced",
+        "Never-married",
+        "Separated",
+        "Widowed",
+        "Married-spouse-absent",
+        "Married-AF-spouse",
+    ],
+    "occupation": [
+        "Tech-support",
+        "Craft-repair",
+        "Other-service",
+        "Sales",
+        "Exec-managerial",
+        "Prof-specialty",
+        "Handlers-cleaners",
+        "Machine-op-inspct",
+        "Adm-clerical",
+        "Farming-fishing",
+        "Transport-moving",
+        "Priv-house-serv",
+        "Protective-serv",
+        "Armed-Forces",
+    ],
+    "relationship": [
+        "Wife",
+        "Own-child",
+        "Husband",
+        "Not-in-family",
+        "Other-relative",
+        "Unmarried",
+    ],
     "race": ["White", "Asian-Pac-Islander", "Amer-Indian-Eskimo", "Other", "Black"],
     "sex": ["Female", "Male"],
-    "native_country": ["United-States", "Mexico", "Philippines", "Germany", "Canada", "India",
-                       "England", "Cuba", "Jamaica", "South", "China", "Italy", "Puerto-Rico"],
+    "native_country": [
+        "United-States",
+        "Mexico",
+        "Philippines",
+        "Germany",
+        "Canada",
+        "India",
+        "England",
+        "Cuba",
+        "Jamaica",
+        "South",
+        "China",
+        "Italy",
+        "Puerto-Rico",
+    ],
 }
 
 
@@ -96,9 +179,12 @@ def adult_lines(path):
     if not tf.io.gfile.exists(path):
         raise FileNotFoundError(f"adult_wide_deep: {path} not found")
     lines = tf.data.TextLineDataset(path)
-    return lines.filter(lambda line: tf.logical_and(
-        tf.strings.length(tf.strings.strip(line)) > 0,
-        tf.logical_not(tf.strings.regex_full_match(line, r"\|.*"))))
+    return lines.filter(
+        lambda line: tf.logical_and(
+            tf.strings.length(tf.strings.strip(line)) > 0,
+            tf.logical_not(tf.strings.regex_full_match(line, r"\|.*")),
+        )
+    )
 
 
 def _ids(values, buckets):
@@ -117,14 +203,19 @@ def parse_adult(lines):
     for name, buckets in CATEGORICAL.items():
         inputs[name] = _ids(fields[name], buckets)
     inputs[CROSSED_NAME] = _ids(
-        tf.strings.join([fields[c] for c in CROSSED], separator=" x "), CROSSED_BUCKETS)
+        tf.strings.join([fields[c] for c in CROSSED], separator=" x "), CROSSED_BUCKETS
+    )
 
     label = tf.strings.regex_replace(fields["income"], r"\.$", "")  # adult.test: ">50K."
     positive = tf.equal(label, ">50K")
     known = positive | tf.equal(label, "<=50K")
-    check = tf.debugging.Assert(tf.reduce_all(known), [
-        "adult_wide_deep: the last column must be >50K or <=50K, got",
-        tf.boolean_mask(label, ~known)])
+    check = tf.debugging.Assert(
+        tf.reduce_all(known),
+        [
+            "adult_wide_deep: the last column must be >50K or <=50K, got",
+            tf.boolean_mask(label, ~known),
+        ],
+    )
     with tf.control_dependencies([check]):
         return inputs, tf.cast(positive, tf.float32)
 
@@ -139,27 +230,35 @@ def distributed_dataset(strategy, lines, global_batch, repeat=False):
         shard = shard.shuffle(SHUFFLE_BUFFER, seed=context.input_pipeline_id)
         if repeat:
             shard = shard.repeat()
-        return (shard.batch(batch, drop_remainder=True)
-                .map(parse_adult, num_parallel_calls=tf.data.AUTOTUNE)
-                .prefetch(tf.data.AUTOTUNE))
+        return (
+            shard.batch(batch, drop_remainder=True)
+            .map(parse_adult, num_parallel_calls=tf.data.AUTOTUNE)
+            .prefetch(tf.data.AUTOTUNE)
+        )
 
     return strategy.distribute_datasets_from_function(dataset_fn)
 
 
 def wide_and_deep():
     numeric = keras.Input((len(NUMERIC),), name="numeric")
-    categorical = {name: (keras.Input((), dtype="int64", name=name), buckets)
-                   for name, buckets in CATEGORICAL.items()}
+    categorical = {
+        name: (keras.Input((), dtype="int64", name=name), buckets)
+        for name, buckets in CATEGORICAL.items()
+    }
     crossed = keras.Input((), dtype="int64", name=CROSSED_NAME)
 
     # Wide: a linear model of the one-hot columns, i.e. a 1-wide embedding each.
-    wide = [keras.layers.Embedding(buckets, 1, name=f"wide_{name}")(ids)
-            for name, (ids, buckets) in categorical.items()]
+    wide = [
+        keras.layers.Embedding(buckets, 1, name=f"wide_{name}")(ids)
+        for name, (ids, buckets) in categorical.items()
+    ]
     wide.append(keras.layers.Embedding(CROSSED_BUCKETS, 1, name=f"wide_{CROSSED_NAME}")(crossed))
     wide = keras.layers.Add()(wide)
 
-    deep = [keras.layers.Embedding(buckets, DEEP_EMBEDDING, name=f"deep_{name}")(ids)
-            for name, (ids, buckets) in categorical.items()]
+    deep = [
+        keras.layers.Embedding(buckets, DEEP_EMBEDDING, name=f"deep_{name}")(ids)
+        for name, (ids, buckets) in categorical.items()
+    ]
     deep = keras.layers.Concatenate()([numeric] + deep)
     deep = keras.layers.Dense(64, activation="relu")(deep)
     deep = keras.layers.Dense(32, activation="relu")(deep)
@@ -181,15 +280,19 @@ def main():
         lines = adult_lines(args.data)
     else:
         lines = tf.data.Dataset.from_tensor_slices(synthetic_adult_lines(args.examples))
-    dataset = distributed_dataset(strategy, lines, global_batch,
-                                  repeat=bool(args.steps_per_epoch))
+    dataset = distributed_dataset(strategy, lines, global_batch, repeat=bool(args.steps_per_epoch))
 
     with strategy.scope():
         model = wide_and_deep()
-        model.compile(optimizer=keras.optimizers.Adam(3e-3), loss="binary_crossentropy",
-                      metrics=["accuracy"])
-    model.fit(dataset, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
-              callbacks=[Throughput(strategy, global_batch)])
+        model.compile(
+            optimizer=keras.optimizers.Adam(3e-3), loss="binary_crossentropy", metrics=["accuracy"]
+        )
+    model.fit(
+        dataset,
+        epochs=args.epochs,
+        steps_per_epoch=args.steps_per_epoch,
+        callbacks=[Throughput(strategy, global_batch)],
+    )
 
 
 if __name__ == "__main__":

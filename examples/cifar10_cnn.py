@@ -57,8 +57,10 @@ def read_cifar10(directory, files=TRAIN_FILES):
             raise FileNotFoundError(f"cifar10_cnn: {path} not found (CIFAR-10 binary version)")
         size = os.path.getsize(path)
         if size == 0 or size % RECORD_BYTES:
-            raise ValueError(f"cifar10_cnn: {path} has {size} bytes, not a whole number of "
-                             f"{RECORD_BYTES}-byte CIFAR-10 records")
+            raise ValueError(
+                f"cifar10_cnn: {path} has {size} bytes, not a whole number of "
+                f"{RECORD_BYTES}-byte CIFAR-10 records"
+            )
         n += size // RECORD_BYTES
     records = tf.data.FixedLengthRecordDataset(paths, RECORD_BYTES)
     return records.map(lambda r: tf.io.decode_raw(r, tf.uint8)), n
@@ -72,18 +74,21 @@ def to_model_input(records):
 
 
 def cifar10_cnn():
-    return keras.Sequential([
-        keras.Input((SIZE, SIZE, CHANNELS)),
-        keras.layers.Conv2D(32, 5, padding="same", activation="relu"),
-        keras.layers.MaxPooling2D(2),
-        keras.layers.Conv2D(32, 5, padding="same", activation="relu"),
-        keras.layers.MaxPooling2D(2),
-        keras.layers.Conv2D(64, 5, padding="same", activation="relu"),
-        keras.layers.MaxPooling2D(2),
-        keras.layers.Flatten(),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10),
-    ], name="cifar10_cnn")
+    return keras.Sequential(
+        [
+            keras.Input((SIZE, SIZE, CHANNELS)),
+            keras.layers.Conv2D(32, 5, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Conv2D(32, 5, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Conv2D(64, 5, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10),
+        ],
+        name="cifar10_cnn",
+    )
 
 
 def main():
@@ -97,9 +102,11 @@ def main():
     else:
         records = tf.data.Dataset.from_tensor_slices(synthetic_cifar10(args.examples))
         n = args.examples
-    dataset = (records.shuffle(min(n, SHUFFLE_BUFFER), seed=1)
-               .batch(global_batch, drop_remainder=True)
-               .map(to_model_input, num_parallel_calls=tf.data.AUTOTUNE))
+    dataset = (
+        records.shuffle(min(n, SHUFFLE_BUFFER), seed=1)
+        .batch(global_batch, drop_remainder=True)
+        .map(to_model_input, num_parallel_calls=tf.data.AUTOTUNE)
+    )
     if args.steps_per_epoch:
         dataset = dataset.repeat()
     options = tf.data.Options()
@@ -110,11 +117,17 @@ def main():
 
     with strategy.scope():
         model = cifar10_cnn()
-        model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-    model.fit(dataset, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
-              callbacks=[Throughput(strategy, global_batch)])
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    model.fit(
+        dataset,
+        epochs=args.epochs,
+        steps_per_epoch=args.steps_per_epoch,
+        callbacks=[Throughput(strategy, global_batch)],
+    )
 
 
 if __name__ == "__main__":

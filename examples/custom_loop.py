@@ -35,8 +35,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-per-replica", type=int, default=32)
-    parser.add_argument("--examples", type=int, default=None,
-                        help="train on at most this many images (default: all 1437)")
+    parser.add_argument(
+        "--examples",
+        type=int,
+        default=None,
+        help="train on at most this many images (default: all 1437)",
+    )
     args = parser.parse_args()
 
     strategy = MPIStrategy()
@@ -46,20 +50,25 @@ def main():
         print(f"{strategy.num_replicas_in_sync} replicas, global batch {global_batch}")
 
     (x_train, y_train), (x_test, y_test) = load_digits()
-    x_train, y_train = x_train[:args.examples], y_train[:args.examples]
+    x_train, y_train = x_train[: args.examples], y_train[: args.examples]
     train_dataset = strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((x_train, y_train))
-        .shuffle(len(x_train), seed=1).batch(global_batch, drop_remainder=True))
+        .shuffle(len(x_train), seed=1)
+        .batch(global_batch, drop_remainder=True)
+    )
     test_dataset = strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(global_batch))
+        tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(global_batch)
+    )
 
     tf.keras.utils.set_random_seed(0)  # the same run every time
     with strategy.scope():
-        model = tf.keras.Sequential([
-            tf.keras.Input((64,)),
-            tf.keras.layers.Dense(128, activation="relu"),
-            tf.keras.layers.Dense(10),
-        ])
+        model = tf.keras.Sequential(
+            [
+                tf.keras.Input((64,)),
+                tf.keras.layers.Dense(128, activation="relu"),
+                tf.keras.layers.Dense(10),
+            ]
+        )
         optimizer = tf.keras.optimizers.Adam(3e-3)
         train_accuracy = tf.keras.metrics.SparseCategoricalAccuracy()
         test_accuracy = tf.keras.metrics.SparseCategoricalAccuracy()
@@ -98,9 +107,12 @@ def main():
         train_accuracy.reset_state()
         test_accuracy.reset_state()
         if chief:
-            print(f"epoch {epoch + 1}/{args.epochs}: loss {total / steps:.4f}  "
-                  f"accuracy {train_acc:.4f}  test accuracy {test_acc:.4f}  "
-                  f"{steps * global_batch / seconds:,.0f} examples/s", flush=True)
+            print(
+                f"epoch {epoch + 1}/{args.epochs}: loss {total / steps:.4f}  "
+                f"accuracy {train_acc:.4f}  test accuracy {test_acc:.4f}  "
+                f"{steps * global_batch / seconds:,.0f} examples/s",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -27,28 +27,41 @@ def main():
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[..., None]  # 8x8x1 in [0, 1]
     x_train, x_test, y_train, y_test = train_test_split(
-        images, digits.target, test_size=0.2, random_state=0, stratify=digits.target)
+        images, digits.target, test_size=0.2, random_state=0, stratify=digits.target
+    )
 
     keras.utils.set_random_seed(0)  # same initial weights and shuffling on every rank
     strategy = mpi_strategy.MPIStrategy()
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((8, 8, 1)),
-            keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-            keras.layers.Flatten(),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10),
-        ])
-        model.compile(optimizer=keras.optimizers.Adam(2e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model = keras.Sequential(
+            [
+                keras.Input((8, 8, 1)),
+                keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+                keras.layers.Flatten(),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(2e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
     model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, verbose=0)
     loss, accuracy = model.evaluate(x_test, y_test, batch_size=args.batch_size, verbose=0)
     if strategy.extended.should_checkpoint:
-        print(json.dumps({"ranks": strategy.cluster_resolver.num_workers,
-                          "test_loss": loss, "test_accuracy": accuracy}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "ranks": strategy.cluster_resolver.num_workers,
+                    "test_loss": loss,
+                    "test_accuracy": accuracy,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ def examples(start, count, features=20, seed=0):
     """Examples ``start`` to ``start + count`` of an endless, fixed stream: the
     data order does not depend on the number of ranks or the batch size."""
     chunks = range(start // 256, (start + count - 1) // 256 + 1)
-    x = np.concatenate([np.random.default_rng([seed, c]).standard_normal((256, features))
-                        for c in chunks]).astype(np.float32)[start % 256:][:count]
+    x = np.concatenate(
+        [np.random.default_rng([seed, c]).standard_normal((256, features)) for c in chunks]
+    ).astype(np.float32)[start % 256 :][:count]
     y = (x[:, :5].sum(axis=1) > 0).astype(np.int64)
     return x, y
 
@@ -45,39 +46,70 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--global-batch", type=int, default=96)
-    parser.add_argument("--per-replica-batch", type=int, default=None,
-                        help="keep this many examples per replica instead of the global batch")
+    parser.add_argument(
+        "--per-replica-batch",
+        type=int,
+        default=None,
+        help="keep this many examples per replica instead of the global batch",
+    )
     parser.add_argument("--min-ranks", type=int, default=1)
     parser.add_argument("--state-dir", default="elastic_state")
     parser.add_argument("--commit-every", type=int, default=10)
-    parser.add_argument("--kill", action="append", default=[], metavar="RANK@STEP",
-                        help="rank RANK of the launch kills itself at step STEP")
-    parser.add_argument("--pause-ms", type=float, default=0,
-                        help="sleep after each step (a slower model: time for replacements)")
-    parser.add_argument("--replace-lost", action="store_true",
-                        help="start new processes for lost ranks: they join at a commit")
+    parser.add_argument(
+        "--kill",
+        action="append",
+        default=[],
+        metavar="RANK@STEP",
+        help="rank RANK of the launch kills itself at step STEP",
+    )
+    parser.add_argument(
+        "--pause-ms",
+        type=float,
+        default=0,
+        help="sleep after each step (a slower model: time for replacements)",
+    )
+    parser.add_argument(
+        "--replace-lost",
+        action="store_true",
+        help="start new processes for lost ranks: they join at a commit",
+    )
     args = parser.parse_args()
     launched = not mpi_strategy.elastic.is_replacement()  # not started for a lost rank
-    my_kill_steps = {int(step) for rank, step in (k.split("@") for k in args.kill)
-                     if int(rank) == MPI.COMM_WORLD.Get_rank() and launched}
+    my_kill_steps = {
+        int(step)
+        for rank, step in (k.split("@") for k in args.kill)
+        if int(rank) == MPI.COMM_WORLD.Get_rank() and launched
+    }
 
     if args.steps in my_kill_steps:  # as the program exits: the others are finishing
         atexit.register(lambda: (time.sleep(1), os.kill(os.getpid(), signal.SIGKILL)))
     strategy = mpi_strategy.MPIStrategy()
     ranks_at_start = strategy.extended.comm.Get_size()
     with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input((20,)),
-                                     tf.keras.layers.Dense(32, activation="relu"),
-                                     tf.keras.layers.Dense(2)])
-        model.set_weights([np.cos(np.arange(w.size)).reshape(w.shape).astype(np.float32) * 0.1
-                           for w in model.get_weights()])
+        model = tf.keras.Sequential(
+            [
+                tf.keras.Input((20,)),
+                tf.keras.layers.Dense(32, activation="relu"),
+                tf.keras.layers.Dense(2),
+            ]
+        )
+        model.set_weights(
+            [
+                np.cos(np.arange(w.size)).reshape(w.shape).astype(np.float32) * 0.1
+                for w in model.get_weights()
+            ]
+        )
         optimizer = tf.keras.optimizers.SGD(0.05, momentum=0.9)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-    state = mpi_strategy.elastic.State(model, optimizer, step=0, examples=0,
-                                       loss=float("nan"))
+    state = mpi_strategy.elastic.State(model, optimizer, step=0, examples=0, loss=float("nan"))
 
-    @mpi_strategy.elastic.run(strategy, state, min_ranks=args.min_ranks,
-                              directory=args.state_dir, replace_lost=args.replace_lost)
+    @mpi_strategy.elastic.run(
+        strategy,
+        state,
+        min_ranks=args.min_ranks,
+        directory=args.state_dir,
+        replace_lost=args.replace_lost,
+    )
     def train(state):
         rank = strategy.extended.rank
         replicas = strategy.num_replicas_in_sync
@@ -88,11 +120,13 @@ def main():
         def step_fn(x, y):
             def replica_step(x, y):
                 with tf.GradientTape() as tape:
-                    loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)),
-                                                      global_batch_size=batch)
+                    loss = tf.nn.compute_average_loss(
+                        loss_fn(y, model(x, training=True)), global_batch_size=batch
+                    )
                 grads = tape.gradient(loss, model.trainable_variables)
                 optimizer.apply_gradients(zip(grads, model.trainable_variables))
                 return loss
+
             return strategy.run(replica_step, (x, y))
 
         while state.step < args.steps:
@@ -112,20 +146,28 @@ def main():
             if state.step % args.commit_every == 0:
                 state.commit()
                 if rank == 0:
-                    print(f"step {state.step}: loss {state.loss:.4f} on {replicas} ranks",
-                          flush=True)
+                    print(
+                        f"step {state.step}: loss {state.loss:.4f} on {replicas} ranks", flush=True
+                    )
 
     recoveries = mpi_strategy.elastic.recoveries
     train()
     if strategy.extended.rank == 0:
-        print(json.dumps({"ranks_at_start": ranks_at_start,
-                          "ranks_at_end": strategy.extended.comm.Get_size(),
-                          "steps": state.step, "examples": state.examples,
-                          "final_loss": state.loss,
-                          "weights_sum": float(sum(np.sum(w) for w in model.get_weights())),
-                          "recoveries": recoveries,
-                          "replacements": mpi_strategy.elastic.replacements}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "ranks_at_start": ranks_at_start,
+                    "ranks_at_end": strategy.extended.comm.Get_size(),
+                    "steps": state.step,
+                    "examples": state.examples,
+                    "final_loss": state.loss,
+                    "weights_sum": float(sum(np.sum(w) for w in model.get_weights())),
+                    "recoveries": recoveries,
+                    "replacements": mpi_strategy.elastic.replacements,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

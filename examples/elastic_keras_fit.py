@@ -46,12 +46,17 @@ def main():
     parser.add_argument("--examples", type=int, default=960)
     parser.add_argument("--global-batch", type=int, default=96)
     parser.add_argument("--kill", action="append", default=[], metavar="RANK@BATCH")
-    parser.add_argument("--replace-lost", action="store_true",
-                        help="start new processes for lost ranks: they join at an epoch's end")
+    parser.add_argument(
+        "--replace-lost",
+        action="store_true",
+        help="start new processes for lost ranks: they join at an epoch's end",
+    )
     args = parser.parse_args()
-    my_kills = [int(b) for r, b in (k.split("@") for k in args.kill)
-                if int(r) == MPI.COMM_WORLD.Get_rank()
-                and not mpi_strategy.elastic.is_replacement()]
+    my_kills = [
+        int(b)
+        for r, b in (k.split("@") for k in args.kill)
+        if int(r) == MPI.COMM_WORLD.Get_rank() and not mpi_strategy.elastic.is_replacement()
+    ]
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.examples, 20)).astype(np.float32)
@@ -60,32 +65,59 @@ def main():
     strategy = mpi_strategy.MPIStrategy()
     ranks_at_start = strategy.extended.comm.Get_size()
     with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input((20,)),
-                                     tf.keras.layers.Dense(32, activation="relu"),
-                                     tf.keras.layers.Dense(2)])
-        model.set_weights([np.cos(np.arange(w.size)).reshape(w.shape).astype(np.float32) * 0.1
-                           for w in model.get_weights()])
-        model.compile(optimizer=tf.keras.optimizers.SGD(0.05, momentum=0.9),
-                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = tf.keras.Sequential(
+            [
+                tf.keras.Input((20,)),
+                tf.keras.layers.Dense(32, activation="relu"),
+                tf.keras.layers.Dense(2),
+            ]
+        )
+        model.set_weights(
+            [
+                np.cos(np.arange(w.size)).reshape(w.shape).astype(np.float32) * 0.1
+                for w in model.get_weights()
+            ]
+        )
+        model.compile(
+            optimizer=tf.keras.optimizers.SGD(0.05, momentum=0.9),
+            loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     state = mpi_strategy.elastic.State(model, model.optimizer, epoch=0)
     steps_per_epoch = args.examples // args.global_batch
 
     @mpi_strategy.elastic.run(strategy, state, replace_lost=args.replace_lost)
     def train(state):
-        return model.fit(x, y, batch_size=args.global_batch, epochs=args.epochs,
-                         initial_epoch=state.epoch, shuffle=False, verbose=2,
-                         callbacks=[mpi_strategy.elastic.KerasCallback(state),
-                                    KillAt(my_kills, steps_per_epoch)]).history
+        return model.fit(
+            x,
+            y,
+            batch_size=args.global_batch,
+            epochs=args.epochs,
+            initial_epoch=state.epoch,
+            shuffle=False,
+            verbose=2,
+            callbacks=[
+                mpi_strategy.elastic.KerasCallback(state),
+                KillAt(my_kills, steps_per_epoch),
+            ],
+        ).history
 
     history = train()
     if strategy.extended.rank == 0:
-        print(json.dumps({"ranks_at_start": ranks_at_start,
-                          "ranks_at_end": strategy.extended.comm.Get_size(),
-                          "epochs": state.epoch, "steps": state.epoch * steps_per_epoch,
-                          "final_loss": float(history["loss"][-1]),
-                          "weights_sum": float(sum(np.sum(w) for w in model.get_weights())),
-                          "recoveries": mpi_strategy.elastic.recoveries,
-                          "replacements": mpi_strategy.elastic.replacements}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "ranks_at_start": ranks_at_start,
+                    "ranks_at_end": strategy.extended.comm.Get_size(),
+                    "epochs": state.epoch,
+                    "steps": state.epoch * steps_per_epoch,
+                    "final_loss": float(history["loss"][-1]),
+                    "weights_sum": float(sum(np.sum(w) for w in model.get_weights())),
+                    "recoveries": mpi_strategy.elastic.recoveries,
+                    "replacements": mpi_strategy.elastic.replacements,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -44,11 +44,19 @@ def input_fn(input_context, global_batch, start_step=0, train=True):
 
 
 def model_fn():
-    model = tf.keras.Sequential([
-        tf.keras.Input((FEATURES,)),
-        tf.keras.layers.Dense(32, activation="relu", kernel_initializer=tf.keras.initializers.GlorotUniform(seed=1)),
-        tf.keras.layers.Dense(CLASSES, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2)),
-    ])
+    model = tf.keras.Sequential(
+        [
+            tf.keras.Input((FEATURES,)),
+            tf.keras.layers.Dense(
+                32,
+                activation="relu",
+                kernel_initializer=tf.keras.initializers.GlorotUniform(seed=1),
+            ),
+            tf.keras.layers.Dense(
+                CLASSES, kernel_initializer=tf.keras.initializers.GlorotUniform(seed=2)
+            ),
+        ]
+    )
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     optimizer = tf.keras.optimizers.SGD(learning_rate=0.05, momentum=0.9)
     return model, loss, optimizer
@@ -62,17 +70,20 @@ def train(strategy, model, loss_fn, optimizer, args):
         checkpoint.restore(latest).assert_existing_objects_matched()
     start = int(optimizer.iterations.numpy())
     dataset = strategy.distribute_datasets_from_function(
-        lambda ctx: input_fn(ctx, args.global_batch, start_step=start))
+        lambda ctx: input_fn(ctx, args.global_batch, start_step=start)
+    )
 
     @tf.function
     def step(batch):
         def replica_step(x, y):
             with tf.GradientTape() as tape:
-                loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)),
-                                                  global_batch_size=args.global_batch)
+                loss = tf.nn.compute_average_loss(
+                    loss_fn(y, model(x, training=True)), global_batch_size=args.global_batch
+                )
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss
+
         return strategy.reduce("SUM", strategy.run(replica_step, args=batch), axis=None)
 
     iterator = iter(dataset)
@@ -82,7 +93,8 @@ def train(strategy, model, loss_fn, optimizer, args):
         if global_step % args.checkpoint_every == 0 or global_step == args.train_steps:
             # Every rank saves, as one process would; rank 0 writes the files.
             tf.train.CheckpointManager(checkpoint, manager_dir, max_to_keep=3).save(
-                checkpoint_number=global_step)
+                checkpoint_number=global_step
+            )
     return start, loss
 
 
@@ -91,7 +103,8 @@ def evaluate(strategy, model, loss_fn, global_batch):
         mean_loss = tf.keras.metrics.Mean()
         accuracy = tf.keras.metrics.SparseCategoricalAccuracy()
     dataset = strategy.distribute_datasets_from_function(
-        lambda ctx: input_fn(ctx, global_batch, train=False))
+        lambda ctx: input_fn(ctx, global_batch, train=False)
+    )
 
     @tf.function
     def step(batch):
@@ -99,6 +112,7 @@ def evaluate(strategy, model, loss_fn, global_batch):
             logits = model(x, training=False)
             mean_loss.update_state(loss_fn(y, logits))
             accuracy.update_state(y, logits)
+
         strategy.run(replica_step, args=batch)
 
     for batch in dataset:
@@ -123,9 +137,18 @@ def main():
     export_dir = os.path.join(args.model_dir, "export")
     model.export(export_dir, verbose=False)
     if strategy.extended.should_checkpoint:
-        print(json.dumps({"ranks": strategy.cluster_resolver.num_workers,
-                          "resumed_from_step": start, "step": args.train_steps,
-                          "last_train_loss": last_loss, **results}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "ranks": strategy.cluster_resolver.num_workers,
+                    "resumed_from_step": start,
+                    "step": args.train_steps,
+                    "last_train_loss": last_loss,
+                    **results,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -68,21 +68,26 @@ def distributed_dataset(strategy, lines, global_batch, repeat=False):
         if repeat:
             shard = shard.repeat()
         # Batch first: decode_csv parses a whole batch at once.
-        return (shard.batch(batch, drop_remainder=True)
-                .map(parse_higgs, num_parallel_calls=tf.data.AUTOTUNE)
-                .prefetch(tf.data.AUTOTUNE))
+        return (
+            shard.batch(batch, drop_remainder=True)
+            .map(parse_higgs, num_parallel_calls=tf.data.AUTOTUNE)
+            .prefetch(tf.data.AUTOTUNE)
+        )
 
     return strategy.distribute_datasets_from_function(dataset_fn)
 
 
 def higgs_dnn():
-    return keras.Sequential([
-        keras.Input((FEATURES,)),
-        keras.layers.Dense(300, activation="relu"),
-        keras.layers.Dense(300, activation="relu"),
-        keras.layers.Dense(300, activation="relu"),
-        keras.layers.Dense(1, activation="sigmoid"),
-    ], name="higgs_dnn")
+    return keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(300, activation="relu"),
+            keras.layers.Dense(300, activation="relu"),
+            keras.layers.Dense(300, activation="relu"),
+            keras.layers.Dense(1, activation="sigmoid"),
+        ],
+        name="higgs_dnn",
+    )
 
 
 def main():
@@ -95,15 +100,19 @@ def main():
         lines = higgs_lines(args.data)
     else:
         lines = tf.data.Dataset.from_tensor_slices(synthetic_higgs_lines(args.examples))
-    dataset = distributed_dataset(strategy, lines, global_batch,
-                                  repeat=bool(args.steps_per_epoch))
+    dataset = distributed_dataset(strategy, lines, global_batch, repeat=bool(args.steps_per_epoch))
 
     with strategy.scope():
         model = higgs_dnn()
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy",
-                      metrics=["accuracy"])
-    model.fit(dataset, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
-              callbacks=[Throughput(strategy, global_batch)])
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy", metrics=["accuracy"]
+        )
+    model.fit(
+        dataset,
+        epochs=args.epochs,
+        steps_per_epoch=args.steps_per_epoch,
+        callbacks=[Throughput(strategy, global_batch)],
+    )
 
 
 if __name__ == "__main__":

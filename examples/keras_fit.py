@@ -37,24 +37,35 @@ def main():
     x_test, y_test = synthetic_mnist(1024, seed=2)
 
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((784,)),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(10),
-        ])
-        model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model = keras.Sequential(
+            [
+                keras.Input((784,)),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
 
-    model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs,
-              validation_data=(x_test, y_test),
-              callbacks=[keras.callbacks.BackupAndRestore(os.path.join(args.output, "backup"))])
+    model.fit(
+        x,
+        y,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        validation_data=(x_test, y_test),
+        callbacks=[keras.callbacks.BackupAndRestore(os.path.join(args.output, "backup"))],
+    )
     loss, accuracy = model.evaluate(x_test, y_test, batch_size=args.batch_size, verbose=0)
     predictions = model.predict(x_test, batch_size=args.batch_size, verbose=0)
     model.save(os.path.join(args.output, "model.keras"))  # on every rank, written once
     if strategy.extended.should_checkpoint:
-        print(f"test loss {loss:.4f}  accuracy {accuracy:.4f}  "
-              f"predictions {predictions.shape}  saved {os.path.join(args.output, 'model.keras')}")
+        print(
+            f"test loss {loss:.4f}  accuracy {accuracy:.4f}  "
+            f"predictions {predictions.shape}  saved {os.path.join(args.output, 'model.keras')}"
+        )
 
 
 if __name__ == "__main__":

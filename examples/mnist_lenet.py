@@ -76,8 +76,9 @@ def read_idx(directory, prefix="train"):
 
     def records(path, record_bytes, header_bytes):
         gz = "GZIP" if path.endswith(".gz") else ""
-        return tf.data.FixedLengthRecordDataset(path, record_bytes, header_bytes=header_bytes,
-                                                compression_type=gz)
+        return tf.data.FixedLengthRecordDataset(
+            path, record_bytes, header_bytes=header_bytes, compression_type=gz
+        )
 
     images = records(images_path, ROWS * COLS, 16).map(lambda r: tf.io.decode_raw(r, tf.uint8))
     labels = records(labels_path, 1, 8).map(lambda r: tf.io.decode_raw(r, tf.uint8)[0])
@@ -91,16 +92,19 @@ def to_model_input(images, labels):
 
 
 def lenet3():
-    return keras.Sequential([
-        keras.Input((ROWS, COLS, 1)),
-        keras.layers.Conv2D(20, 5, activation="relu"),
-        keras.layers.MaxPooling2D(2),
-        keras.layers.Conv2D(50, 5, activation="relu"),
-        keras.layers.MaxPooling2D(2),
-        keras.layers.Flatten(),
-        keras.layers.Dense(500, activation="relu"),
-        keras.layers.Dense(10),
-    ], name="lenet3")
+    return keras.Sequential(
+        [
+            keras.Input((ROWS, COLS, 1)),
+            keras.layers.Conv2D(20, 5, activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Conv2D(50, 5, activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Flatten(),
+            keras.layers.Dense(500, activation="relu"),
+            keras.layers.Dense(10),
+        ],
+        name="lenet3",
+    )
 
 
 def main():
@@ -114,9 +118,11 @@ def main():
     else:
         records = tf.data.Dataset.from_tensor_slices(synthetic_mnist(args.examples))
         n = args.examples
-    dataset = (records.shuffle(min(n, SHUFFLE_BUFFER), seed=1)
-               .batch(global_batch, drop_remainder=True)
-               .map(to_model_input, num_parallel_calls=tf.data.AUTOTUNE))
+    dataset = (
+        records.shuffle(min(n, SHUFFLE_BUFFER), seed=1)
+        .batch(global_batch, drop_remainder=True)
+        .map(to_model_input, num_parallel_calls=tf.data.AUTOTUNE)
+    )
     if args.steps_per_epoch:
         dataset = dataset.repeat()
     options = tf.data.Options()
@@ -126,11 +132,17 @@ def main():
 
     with strategy.scope():
         model = lenet3()
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-    model.fit(dataset, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
-              callbacks=[Throughput(strategy, global_batch)])
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    model.fit(
+        dataset,
+        epochs=args.epochs,
+        steps_per_epoch=args.steps_per_epoch,
+        callbacks=[Throughput(strategy, global_batch)],
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,18 @@ _effects.install()
 
 __version__ = "0.1.0"
 
-__all__ = ["MPIStrategy", "MPICrossDeviceOps", "MPIClusterResolver", "MPIStrategyError",
-           "CollectiveMismatchError", "CollectiveTimeoutError", "RanksLostError",
-           "TooFewRanksError", "compression", "elastic", "errors", "timeline",
-           "only_chief_writes"]
+__all__ = [
+    "MPIStrategy",
+    "MPICrossDeviceOps",
+    "MPIClusterResolver",
+    "MPIStrategyError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "RanksLostError",
+    "TooFewRanksError",
+    "compression",
+    "elastic",
+    "errors",
+    "timeline",
+    "only_chief_writes",
+]

@@ -29,11 +29,18 @@ def main() -> int:
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
-              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
-    report = {"rank": rank, "host": socket.gethostname(),
-              "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split()),
-              "thread_level": levels.get(MPI.Query_thread(), "?")}
+    levels = {
+        MPI.THREAD_SINGLE: "single",
+        MPI.THREAD_FUNNELED: "funneled",
+        MPI.THREAD_SERIALIZED: "serialized",
+        MPI.THREAD_MULTIPLE: "multiple",
+    }
+    report = {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split()),
+        "thread_level": levels.get(MPI.Query_thread(), "?"),
+    }
     try:
         import tensorflow as tf
 
@@ -91,13 +98,16 @@ def _gather_lines(comm: MPI.Intracomm, line: str, passed: bool) -> list[tuple[st
     received = np.empty(sum(counts), np.uint8)
     comm.Gatherv(data, [received, (counts, None), MPI.BYTE], root=0)
     ends = np.cumsum(counts).tolist()
-    return [(received[end - n:end].tobytes().decode("utf-8", errors="replace"), bool(ok))
-            for end, n, ok in zip(ends, counts, everyone[:, 1].tolist())]
+    return [
+        (received[end - n : end].tobytes().decode("utf-8", errors="replace"), bool(ok))
+        for end, n, ok in zip(ends, counts, everyone[:, 1].tolist())
+    ]
 
 
 def _version() -> str:
     try:
         from mpi_strategy import __version__
+
         return __version__
     except Exception:  # noqa: BLE001 - only informative  # pragma: no cover
         return "?"
@@ -106,5 +116,6 @@ def _version() -> str:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["timeline"]:
         from mpi_strategy import timeline
+
         sys.exit(timeline.main(sys.argv[2:]))
     sys.exit(main())

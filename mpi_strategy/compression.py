@@ -18,5 +18,12 @@ from mpi_strategy._src.distribute.compression import (
     resolve,
 )
 
-__all__ = ["CompressionPolicy", "Collectives", "Exact", "SixteenBit", "MIN_BYTES",
-           "check_policy", "resolve"]
+__all__ = [
+    "CompressionPolicy",
+    "Collectives",
+    "Exact",
+    "SixteenBit",
+    "MIN_BYTES",
+    "check_policy",
+    "resolve",
+]

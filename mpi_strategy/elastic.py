@@ -31,5 +31,13 @@ from mpi_strategy._src.features.elastic.regrowth import replacements
 from mpi_strategy._src.features.elastic.run import KerasCallback, run
 from mpi_strategy._src.features.elastic.state import State
 
-__all__ = ["State", "run", "KerasCallback", "is_replacement", "RanksLostError",
-           "TooFewRanksError", "recoveries", "replacements"]
+__all__ = [
+    "State",
+    "run",
+    "KerasCallback",
+    "is_replacement",
+    "RanksLostError",
+    "TooFewRanksError",
+    "recoveries",
+    "replacements",
+]

@@ -55,24 +55,42 @@ def open_mpi_command(mpirun: str, n: int, ulfm: bool = False) -> list[str]:
     the libmpi next to it. ``ulfm``: with User-Level Failure Mitigation. Needs
     ``OPEN_MPI_ENV`` as root."""
     libmpi = os.path.join(os.path.dirname(os.path.dirname(mpirun)), "lib", "libmpi.so.40")
-    return ([mpirun, "--oversubscribe"] + ["--with-ft", "ulfm"] * ulfm
-            + ["-x", f"MPI4PY_LIBMPI={libmpi}", "-n", str(n)])
+    return (
+        [mpirun, "--oversubscribe"]
+        + ["--with-ft", "ulfm"] * ulfm
+        + ["-x", f"MPI4PY_LIBMPI={libmpi}", "-n", str(n)]
+    )
 
 
-def run_mpiexec(n: int, argv: Sequence[str], silence: float = DEFAULT_SILENCE,
-                env: Mapping[str, str] | None = None, cwd: str | None = None,
-                total: float | None = None,
-                each_line: Callable[[str], object] | None = None) -> tuple[int, str]:
+def run_mpiexec(
+    n: int,
+    argv: Sequence[str],
+    silence: float = DEFAULT_SILENCE,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    total: float | None = None,
+    each_line: Callable[[str], object] | None = None,
+) -> tuple[int, str]:
     """Runs ``argv`` on ``n`` ranks; returns (returncode, combined output).
     ``silence`` and ``total``: as for ``run_launcher``."""
-    return run_launcher(mpiexec_command(n) + list(argv), silence,
-                        dict(env or {}, **mpiexec_env()), cwd, each_line, total)
+    return run_launcher(
+        mpiexec_command(n) + list(argv),
+        silence,
+        dict(env or {}, **mpiexec_env()),
+        cwd,
+        each_line,
+        total,
+    )
 
 
-def run_launcher(cmd: Sequence[str], silence: float = DEFAULT_SILENCE,
-                 env: Mapping[str, str] | None = None, cwd: str | None = None,
-                 each_line: Callable[[str], object] | None = None,
-                 total: float | None = None) -> tuple[int, str]:
+def run_launcher(
+    cmd: Sequence[str],
+    silence: float = DEFAULT_SILENCE,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    each_line: Callable[[str], object] | None = None,
+    total: float | None = None,
+) -> tuple[int, str]:
     """Runs the launcher command line ``cmd``; returns (returncode, combined output).
 
     Raises AssertionError, with the output so far, after killing the command's
@@ -85,15 +103,22 @@ def run_launcher(cmd: Sequence[str], silence: float = DEFAULT_SILENCE,
     full_env = dict(os.environ)
     full_env.update(env or {})
     started = time.monotonic()
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=full_env, cwd=cwd, start_new_session=True)
+    proc = subprocess.Popen(
+        list(cmd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,
+    )
     chunks: list[str] = []
     last_output = [started]
     # Decoded as text=True would (locale encoding, universal newlines), but
     # chunk by chunk, so that output without a newline also counts.
     decoder = io.IncrementalNewlineDecoder(
         codecs.getincrementaldecoder(locale.getpreferredencoding(False))(errors="replace"),
-        translate=True)
+        translate=True,
+    )
 
     def read() -> None:
         partial = ""
@@ -119,8 +144,10 @@ def run_launcher(cmd: Sequence[str], silence: float = DEFAULT_SILENCE,
         now = time.monotonic()
         quiet = now - last_output[0]
         if quiet >= silence:
-            why = (f"no output for {silence:g} s: a hang (a deadlock, or a rank stuck in a "
-                   f"collective), not a slow machine, which would go on printing")
+            why = (
+                f"no output for {silence:g} s: a hang (a deadlock, or a rank stuck in a "
+                f"collective), not a slow machine, which would go on printing"
+            )
             break
         wait = silence - quiet
         if total is not None:
@@ -136,7 +163,8 @@ def run_launcher(cmd: Sequence[str], silence: float = DEFAULT_SILENCE,
         out = "".join(chunks)
         raise AssertionError(
             f"TIMEOUT: `{' '.join(cmd)}` killed after {time.monotonic() - started:.0f} s, "
-            f"{why}. Output so far:\n{out[-20000:]}")
+            f"{why}. Output so far:\n{out[-20000:]}"
+        )
     proc.wait()
     return proc.returncode, "".join(chunks)
 

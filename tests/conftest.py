@@ -24,7 +24,8 @@ from mpi_testing import LOCAL_DEVICES, WORLD  # noqa: E402
 
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0],
-    [tf.config.LogicalDeviceConfiguration()] * (WORLD.Get_size() * LOCAL_DEVICES))
+    [tf.config.LogicalDeviceConfiguration()] * (WORLD.Get_size() * LOCAL_DEVICES),
+)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 
 
@@ -61,6 +62,7 @@ def pytest_unconfigure(config):
 def strategy():
     """The MPIStrategy under test: all ranks, LOCAL_DEVICES devices each."""
     from mpi_testing import mpi_strategy_under_test
+
     return mpi_strategy_under_test()
 
 
@@ -72,4 +74,5 @@ def shared_dir(tmp_path):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "single_process: runs only outside mpiexec (e.g. launches mpiexec itself)")
+        "markers", "single_process: runs only outside mpiexec (e.g. launches mpiexec itself)"
+    )

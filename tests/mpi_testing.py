@@ -43,7 +43,8 @@ def reference_strategy():
     """MirroredStrategy over as many replicas as MPIStrategy has across ranks."""
     return tf.distribute.MirroredStrategy(
         [f"/device:CPU:{i}" for i in range(NUM_REPLICAS)],
-        cross_device_ops=tf.distribute.ReductionToOneDevice())
+        cross_device_ops=tf.distribute.ReductionToOneDevice(),
+    )
 
 
 def gather_from_all_ranks(array):
@@ -59,7 +60,8 @@ def assert_same_on_all_ranks(array, what="value"):
     everyone = gather_from_all_ranks(array)
     for r in range(SIZE):
         np.testing.assert_array_equal(
-            everyone[r], everyone[0], err_msg=f"{what} on rank {r} differs from rank 0")
+            everyone[r], everyone[0], err_msg=f"{what} on rank {r} differs from rank 0"
+        )
 
 
 def all_ranks_agree(ok):
@@ -75,6 +77,7 @@ def computed_on_rank0(fn):
     MPI wait would spin).
     """
     import time
+
     result = fn() if RANK == 0 else None
     request = WORLD.Ibarrier()
     while not request.Test():

@@ -23,72 +23,171 @@ from mpi_strategy._src._tf_internal import WriteCall
 
 class Site(NamedTuple):
     """Where one Keras implementation keeps what is wrapped."""
-    trainer: str                # module defining reduce_per_replica
-    callback_list: str          # module defining CallbackList
-    callbacks: str              # public callbacks module
+
+    trainer: str  # module defining reduce_per_replica
+    callback_list: str  # module defining CallbackList
+    callbacks: str  # public callbacks module
     write_calls: tuple[WriteCall, ...]  # its functions that write files
 
 
-_KERAS3_BACKUP = ("backup_dir", "_weights_path", "_training_metadata_path",
-                  "_prev_weights_path", "_prev_training_metadata_path")
+_KERAS3_BACKUP = (
+    "backup_dir",
+    "_weights_path",
+    "_training_metadata_path",
+    "_prev_weights_path",
+    "_prev_training_metadata_path",
+)
 _K3_CALLBACKS = "keras.src.callbacks"
 SITES = {
     "keras": Site(
-        "keras.src.backend.tensorflow.trainer", f"{_K3_CALLBACKS}.callback_list",
-        "keras.callbacks", (
+        "keras.src.backend.tensorflow.trainer",
+        f"{_K3_CALLBACKS}.callback_list",
+        "keras.callbacks",
+        (
             WriteCall("keras.src.saving.saving_lib", "save_model", "filepath", "memory", "model"),
             # (remote paths go through a local temporary file)
-            WriteCall("keras.src.saving.saving_lib", "save_weights_only", "filepath", "scratch",
-                      "model"),
-            WriteCall("keras.src.legacy.saving.legacy_h5_format", "save_model_to_hdf5",
-                      "filepath", "h5_memory", "model"),
+            WriteCall(
+                "keras.src.saving.saving_lib", "save_weights_only", "filepath", "scratch", "model"
+            ),
+            WriteCall(
+                "keras.src.legacy.saving.legacy_h5_format",
+                "save_model_to_hdf5",
+                "filepath",
+                "h5_memory",
+                "model",
+            ),
             # (its variables are tracked by the private _tf_trackable)
-            WriteCall("keras.src.export.saved_model:ExportArchive", "write_out", "filepath",
-                      "memory", "self._tf_trackable"),
-            WriteCall(f"{_K3_CALLBACKS}.model_checkpoint:ModelCheckpoint", "_save_model",
-                      "self.filepath", "memory", "self.model", ("filepath",)),
-            WriteCall(f"{_K3_CALLBACKS}.backup_and_restore:BackupAndRestore", "_save_model",
-                      "self.backup_dir", "memory", "self.model", _KERAS3_BACKUP),
-            WriteCall(f"{_K3_CALLBACKS}.backup_and_restore:BackupAndRestore", "on_train_end",
-                      "self.backup_dir", "memory", "self.model", _KERAS3_BACKUP),
-            WriteCall(f"{_K3_CALLBACKS}.csv_logger:CSVLogger", "on_train_begin",
-                      "self.filename", "devnull", "self.model", ("filename",)),
-            WriteCall(f"{_K3_CALLBACKS}.csv_logger:CSVLogger", "on_train_end", "self.filename",
-                      "same", "self.model"),
-            WriteCall(f"{_K3_CALLBACKS}.tensorboard:TensorBoard", "on_train_end",
-                      "self.log_dir", "same", "self.model"),
-        )),
+            WriteCall(
+                "keras.src.export.saved_model:ExportArchive",
+                "write_out",
+                "filepath",
+                "memory",
+                "self._tf_trackable",
+            ),
+            WriteCall(
+                f"{_K3_CALLBACKS}.model_checkpoint:ModelCheckpoint",
+                "_save_model",
+                "self.filepath",
+                "memory",
+                "self.model",
+                ("filepath",),
+            ),
+            WriteCall(
+                f"{_K3_CALLBACKS}.backup_and_restore:BackupAndRestore",
+                "_save_model",
+                "self.backup_dir",
+                "memory",
+                "self.model",
+                _KERAS3_BACKUP,
+            ),
+            WriteCall(
+                f"{_K3_CALLBACKS}.backup_and_restore:BackupAndRestore",
+                "on_train_end",
+                "self.backup_dir",
+                "memory",
+                "self.model",
+                _KERAS3_BACKUP,
+            ),
+            WriteCall(
+                f"{_K3_CALLBACKS}.csv_logger:CSVLogger",
+                "on_train_begin",
+                "self.filename",
+                "devnull",
+                "self.model",
+                ("filename",),
+            ),
+            WriteCall(
+                f"{_K3_CALLBACKS}.csv_logger:CSVLogger",
+                "on_train_end",
+                "self.filename",
+                "same",
+                "self.model",
+            ),
+            WriteCall(
+                f"{_K3_CALLBACKS}.tensorboard:TensorBoard",
+                "on_train_end",
+                "self.log_dir",
+                "same",
+                "self.model",
+            ),
+        ),
+    ),
     "tf_keras": Site(
-        "tf_keras.src.engine.training", "tf_keras.src.callbacks", "tf_keras.callbacks", (
+        "tf_keras.src.engine.training",
+        "tf_keras.src.callbacks",
+        "tf_keras.callbacks",
+        (
             # (its .keras and .weights.h5 writers open local files only)
-            WriteCall("tf_keras.src.saving.saving_lib", "save_model", "filepath", "scratch",
-                      "model"),
-            WriteCall("tf_keras.src.saving.saving_lib", "save_weights_only", "filepath",
-                      "scratch", "model"),
-            WriteCall("tf_keras.src.saving.legacy.save", "save_model", "filepath", "memory",
-                      "model"),
-            WriteCall("tf_keras.src.saving.legacy.save", "save_weights", "filepath",
-                      "scratch_if_h5", "model"),
-            WriteCall("tf_keras.src.saving.legacy.hdf5_format", "save_model_to_hdf5",
-                      "filepath", "h5_memory", "model"),
+            WriteCall(
+                "tf_keras.src.saving.saving_lib", "save_model", "filepath", "scratch", "model"
+            ),
+            WriteCall(
+                "tf_keras.src.saving.saving_lib",
+                "save_weights_only",
+                "filepath",
+                "scratch",
+                "model",
+            ),
+            WriteCall(
+                "tf_keras.src.saving.legacy.save", "save_model", "filepath", "memory", "model"
+            ),
+            WriteCall(
+                "tf_keras.src.saving.legacy.save",
+                "save_weights",
+                "filepath",
+                "scratch_if_h5",
+                "model",
+            ),
+            WriteCall(
+                "tf_keras.src.saving.legacy.hdf5_format",
+                "save_model_to_hdf5",
+                "filepath",
+                "h5_memory",
+                "model",
+            ),
             # (the model it backs up is the private _model)
-            WriteCall("tf_keras.src.distribute.worker_training_state:WorkerTrainingState",
-                      "delete_backup", "self.write_checkpoint_manager.directory", "skip",
-                      "self._model"),
-            WriteCall("tf_keras.src.callbacks:CSVLogger", "on_train_begin", "self.filename",
-                      "devnull", "self.model", ("filename",)),
-            WriteCall("tf_keras.src.callbacks:CSVLogger", "on_train_end", "self.filename",
-                      "same", "self.model"),
-            WriteCall("tf_keras.src.callbacks:TensorBoard", "on_train_end", "self.log_dir",
-                      "same", "self.model"),
-        )),
+            WriteCall(
+                "tf_keras.src.distribute.worker_training_state:WorkerTrainingState",
+                "delete_backup",
+                "self.write_checkpoint_manager.directory",
+                "skip",
+                "self._model",
+            ),
+            WriteCall(
+                "tf_keras.src.callbacks:CSVLogger",
+                "on_train_begin",
+                "self.filename",
+                "devnull",
+                "self.model",
+                ("filename",),
+            ),
+            WriteCall(
+                "tf_keras.src.callbacks:CSVLogger",
+                "on_train_end",
+                "self.filename",
+                "same",
+                "self.model",
+            ),
+            WriteCall(
+                "tf_keras.src.callbacks:TensorBoard",
+                "on_train_end",
+                "self.log_dir",
+                "same",
+                "self.model",
+            ),
+        ),
+    ),
 }
 # tf_keras sends non-chief writes of multi-worker strategies to temporary
 # directories (every rank writes); under MPIStrategy the write points decide.
 # Its four path functions, and WorkerTrainingState's write manager.
 TF_KERAS_FILE_UTILS = "tf_keras.src.distribute.distributed_file_utils"
-TF_KERAS_FILE_UTIL_NAMES = ("write_dirpath", "write_filepath", "remove_temp_dirpath",
-                            "remove_temp_dir_with_filepath")
+TF_KERAS_FILE_UTIL_NAMES = (
+    "write_dirpath",
+    "write_filepath",
+    "remove_temp_dirpath",
+    "remove_temp_dir_with_filepath",
+)
 TF_KERAS_TRAINING_STATE = "tf_keras.src.distribute.worker_training_state"
 # tf_keras's BackupAndRestore allow-lists strategy classes in this attribute.
 BACKUP_SUPPORTED_STRATEGIES = "_supported_strategies"

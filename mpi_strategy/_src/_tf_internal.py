@@ -37,7 +37,9 @@ if _version > SUPPORTED_TF[1]:
         "mpi_strategy was tested with TensorFlow up to %s; found %s. "
         "If something fails in mpi_strategy/_tf_internal.py, TensorFlow's "
         "private distribute API changed.",
-        ".".join(map(str, SUPPORTED_TF[1])), tf.__version__)
+        ".".join(map(str, SUPPORTED_TF[1])),
+        tf.__version__,
+    )
 
 try:
     from tensorflow.python.distribute import (
@@ -89,12 +91,12 @@ def captured_value(tensor: Any) -> Any:
 OVERRIDDEN_HOOKS = {
     # distribute/strategy.py: MPIExtended(MirroredExtended)
     MirroredExtended: (
-        "_initialize_strategy",            # only the devices: no TF collectives
-        "_initialize_single_worker",       # (called) sets up the local devices
-        "_num_replicas_in_sync",           # ranks x local devices
-        "_get_replica_id_in_sync_group",   # global replica ids
+        "_initialize_strategy",  # only the devices: no TF collectives
+        "_initialize_single_worker",  # (called) sets up the local devices
+        "_num_replicas_in_sync",  # ranks x local devices
+        "_get_replica_id_in_sync_group",  # global replica ids
         "_get_local_replica_id",
-        "_in_multi_worker_mode",           # the iterator agrees on the end of data
+        "_in_multi_worker_mode",  # the iterator agrees on the end of data
         # `_use_merge_call()`: read by `tf.__internal__.distribute.interim.maybe_merge_call`
         # and `strategy_supports_no_merge_call` (Keras' optimizers and
         # LossScaleOptimizer, tf_keras' optimizers and metrics), by
@@ -106,21 +108,21 @@ OVERRIDDEN_HOOKS = {
         # `_use_merge_call()` is False.
         "_replica_ctx_all_reduce",
         "_get_cross_device_ops",
-        "_reduce_to",                      # also int32 values and reductions to the host
+        "_reduce_to",  # also int32 values and reductions to the host
         "_batch_reduce_to",
         "_gather_to_implementation",
         "_get_variable_creator_initial_value",  # every variable starts as rank 0's
         "_experimental_distribute_dataset",
         "_distribute_datasets_from_function",
         "_experimental_distribute_values_from_function",
-        "_input_workers_with_options",     # (called)
-        "_container_strategy",             # (called)
+        "_input_workers_with_options",  # (called)
+        "_container_strategy",  # (called)
     ),
     # distribute/cross_device_ops.py: MPICrossDeviceOps(CrossDeviceOps)
     tf.distribute.CrossDeviceOps: (
-        "_num_between_graph_workers",      # 1 would make TF skip the reduction
+        "_num_between_graph_workers",  # 1 would make TF skip the reduction
         "_gather_implementation",
-        "_gather",                         # (called) by MPIExtended's gather
+        "_gather",  # (called) by MPIExtended's gather
     ),
 }
 # Private attributes MPIExtended sets for TensorFlow's and Keras' readers:
@@ -132,7 +134,8 @@ for _base, _names in OVERRIDDEN_HOOKS.items():
     if _missing:  # pragma: no cover - only on an untested TF
         raise MPIStrategyError(
             f"TensorFlow {tf.__version__} has no {_base.__name__}.{', '.join(_missing)}, "
-            "which mpi_strategy overrides. Install a TensorFlow between 2.16 and 2.21.")
+            "which mpi_strategy overrides. Install a TensorFlow between 2.16 and 2.21."
+        )
 
 
 def merge_call_would_fail() -> bool:
@@ -148,12 +151,13 @@ def merge_call_would_fail() -> bool:
 class WriteCall(NamedTuple):
     """A TensorFlow or Keras function or method that writes files, and how
     ``features/saving`` makes it a write point (see ``features/saving/calls.py``)."""
-    owner: str           # "package.module" or "package.module:Class"
-    name: str            # function or method name
-    path: str            # argument name, or "self.<attribute>"
-    instead: str         # what a rank that does not write does
-    of: str | None       # the argument (or "self.<attribute>") holding the object
-                         # written, whose strategy decides; None: names no object
+
+    owner: str  # "package.module" or "package.module:Class"
+    name: str  # function or method name
+    path: str  # argument name, or "self.<attribute>"
+    instead: str  # what a rank that does not write does
+    of: str | None  # the argument (or "self.<attribute>") holding the object
+    # written, whose strategy decides; None: names no object
     attrs: tuple[str, ...] = ()  # (methods) attributes holding paths under ``path``
 
 
@@ -163,29 +167,63 @@ class WriteCall(NamedTuple):
 # TrackableSaver.save (the variables' files), the checkpoint index and sweep
 # helpers, and saved_model's save_and_return_nodes (tf.saved_model.save).
 WRITE_CALLS = (
-    WriteCall("tensorflow.python.checkpoint.checkpoint:Checkpoint", "_write", "file_prefix",
-              "same", "self"),
-    WriteCall("tensorflow.python.checkpoint.checkpoint:TrackableSaver", "save", "file_prefix",
-              "memory", None),
+    WriteCall(
+        "tensorflow.python.checkpoint.checkpoint:Checkpoint",
+        "_write",
+        "file_prefix",
+        "same",
+        "self",
+    ),
+    WriteCall(
+        "tensorflow.python.checkpoint.checkpoint:TrackableSaver",
+        "save",
+        "file_prefix",
+        "memory",
+        None,
+    ),
     # (so that its index and sweep below are inside the write point of its checkpoint)
-    WriteCall("tensorflow.python.checkpoint.checkpoint_management:CheckpointManager", "save",
-              "self.directory", "same", "self.checkpoint"),
-    WriteCall("tensorflow.python.checkpoint.checkpoint_management",
-              "update_checkpoint_state_internal", "save_dir", "skip", None),
-    WriteCall("tensorflow.python.checkpoint.checkpoint_management", "_delete_file_if_exists",
-              "filespec", "skip", None),
-    WriteCall("tensorflow.python.saved_model.save", "save_and_return_nodes", "export_dir",
-              "memory", "obj"),
-    WriteCall("tensorflow.python.ops.summary_ops_v2", "create_file_writer_v2", "logdir",
-              "noop_writer", None),
+    WriteCall(
+        "tensorflow.python.checkpoint.checkpoint_management:CheckpointManager",
+        "save",
+        "self.directory",
+        "same",
+        "self.checkpoint",
+    ),
+    WriteCall(
+        "tensorflow.python.checkpoint.checkpoint_management",
+        "update_checkpoint_state_internal",
+        "save_dir",
+        "skip",
+        None,
+    ),
+    WriteCall(
+        "tensorflow.python.checkpoint.checkpoint_management",
+        "_delete_file_if_exists",
+        "filespec",
+        "skip",
+        None,
+    ),
+    WriteCall(
+        "tensorflow.python.saved_model.save", "save_and_return_nodes", "export_dir", "memory", "obj"
+    ),
+    WriteCall(
+        "tensorflow.python.ops.summary_ops_v2",
+        "create_file_writer_v2",
+        "logdir",
+        "noop_writer",
+        None,
+    ),
     WriteCall("tensorflow._api.v2.summary", "create_file_writer", "logdir", "noop_writer", None),
-    WriteCall("tensorflow._api.v2.compat.v2.summary", "create_file_writer", "logdir",
-              "noop_writer", None),
+    WriteCall(
+        "tensorflow._api.v2.compat.v2.summary", "create_file_writer", "logdir", "noop_writer", None
+    ),
 )
 # Checkpoint methods that hand the write to a background thread when
 # CheckpointOptions(experimental_enable_async_checkpoint=True): saving.py makes
 # them write in the calling thread, where the ranks can meet (_write: what
 # CheckpointManager.save calls).
-ASYNC_CHECKPOINT_CALLS = (("tensorflow.python.checkpoint.checkpoint:Checkpoint", "save"),
-                          ("tensorflow.python.checkpoint.checkpoint:Checkpoint", "write"),
-                          ("tensorflow.python.checkpoint.checkpoint:Checkpoint", "_write"))
+ASYNC_CHECKPOINT_CALLS = (
+    ("tensorflow.python.checkpoint.checkpoint:Checkpoint", "save"),
+    ("tensorflow.python.checkpoint.checkpoint:Checkpoint", "write"),
+    ("tensorflow.python.checkpoint.checkpoint:Checkpoint", "_write"),
+)

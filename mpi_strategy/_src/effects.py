@@ -39,40 +39,59 @@ from mpi_strategy._src.features.saving import calls
 @dataclass(frozen=True)
 class Effect:
     """One row of the table of process-wide effects (docs/concepts.md)."""
-    what: str       # what is replaced or added
-    why: str        # what it makes work
-    acts: str       # when it changes anything
+
+    what: str  # what is replaced or added
+    why: str  # what it makes work
+    acts: str  # when it changes anything
 
 
 EFFECTS = (
-    Effect("the TensorFlow calls that write files (`_tf_internal.WRITE_CALLS`)",
-           "a save made on every rank writes once per filesystem",
-           "in the scope of a multi-rank MPIStrategy, or for an object built in one"),
-    Effect("Checkpoint `save`, `write`, `_write` (`_tf_internal.ASYNC_CHECKPOINT_CALLS`)",
-           "an asynchronous checkpoint is written in the calling thread, where ranks meet",
-           "for a checkpoint of a multi-rank MPIStrategy"),
-    Effect("the Keras 3 and tf_keras calls that write files (`_keras_internal.SITES`)",
-           "Keras saves and callbacks write once per filesystem",
-           "for a model of a multi-rank MPIStrategy"),
-    Effect("Keras `reduce_per_replica`",
-           "`predict` returns every row, in input order, on every rank",
-           "for a model of an MPIStrategy"),
-    Effect("Keras `CallbackList.__init__`",
-           "the progress bar on rank 0 only; tf_keras's BackupAndRestore accepts MPIStrategy",
-           "for a model of an MPIStrategy"),
-    Effect("tf_keras `distributed_file_utils` (4 functions), `WorkerTrainingState.__init__`",
-           "every rank names the real path; the write points decide who writes",
-           "for a model of an MPIStrategy"),
-    Effect("`sys.excepthook`",
-           "an uncaught exception ends the whole MPI job instead of leaving ranks waiting",
-           "once an MPIStrategy spans several ranks (or in a replacement of a lost rank)"),
-    Effect("one `atexit` handler",
-           "the ranks meet at the end (a rank saving alone finishes); timeline files "
-           "are closed; elastic jobs under ULFM end without MPI_Finalize",
-           "once an MPIStrategy spans all ranks; the timeline when on; elastic.run"),
-    Effect("a handler on the `mpi_strategy` logger",
-           "every line tagged with the rank; ranks other than 0 show errors only",
-           "the library's own logger only"),
+    Effect(
+        "the TensorFlow calls that write files (`_tf_internal.WRITE_CALLS`)",
+        "a save made on every rank writes once per filesystem",
+        "in the scope of a multi-rank MPIStrategy, or for an object built in one",
+    ),
+    Effect(
+        "Checkpoint `save`, `write`, `_write` (`_tf_internal.ASYNC_CHECKPOINT_CALLS`)",
+        "an asynchronous checkpoint is written in the calling thread, where ranks meet",
+        "for a checkpoint of a multi-rank MPIStrategy",
+    ),
+    Effect(
+        "the Keras 3 and tf_keras calls that write files (`_keras_internal.SITES`)",
+        "Keras saves and callbacks write once per filesystem",
+        "for a model of a multi-rank MPIStrategy",
+    ),
+    Effect(
+        "Keras `reduce_per_replica`",
+        "`predict` returns every row, in input order, on every rank",
+        "for a model of an MPIStrategy",
+    ),
+    Effect(
+        "Keras `CallbackList.__init__`",
+        "the progress bar on rank 0 only; tf_keras's BackupAndRestore accepts MPIStrategy",
+        "for a model of an MPIStrategy",
+    ),
+    Effect(
+        "tf_keras `distributed_file_utils` (4 functions), `WorkerTrainingState.__init__`",
+        "every rank names the real path; the write points decide who writes",
+        "for a model of an MPIStrategy",
+    ),
+    Effect(
+        "`sys.excepthook`",
+        "an uncaught exception ends the whole MPI job instead of leaving ranks waiting",
+        "once an MPIStrategy spans several ranks (or in a replacement of a lost rank)",
+    ),
+    Effect(
+        "one `atexit` handler",
+        "the ranks meet at the end (a rank saving alone finishes); timeline files "
+        "are closed; elastic jobs under ULFM end without MPI_Finalize",
+        "once an MPIStrategy spans all ranks; the timeline when on; elastic.run",
+    ),
+    Effect(
+        "a handler on the `mpi_strategy` logger",
+        "every line tagged with the rank; ranks other than 0 show errors only",
+        "the library's own logger only",
+    ),
 )
 
 # The one record of what is installed: (owner, attribute name) -> the original.
@@ -88,8 +107,13 @@ def install() -> None:
     _once(_AT_EXIT, lambda _: atexit.register(_at_exit))
     synchronous = set(_tf_internal.ASYNC_CHECKPOINT_CALLS)
     for call in _tf_internal.WRITE_CALLS:
-        _replace(call.owner, call.name, functools.partial(
-            _write_call_wrapper, call=call, synchronous=(call.owner, call.name) in synchronous))
+        _replace(
+            call.owner,
+            call.name,
+            functools.partial(
+                _write_call_wrapper, call=call, synchronous=(call.owner, call.name) in synchronous
+            ),
+        )
     for owner, name in synchronous:  # (those not wrapped above)
         _replace(owner, name, calls.synchronous_checkpoint_wrapper)
     for package, site in _keras_internal.SITES.items():
@@ -111,8 +135,9 @@ def uninstall() -> None:
 
 def installed() -> list[str]:
     """What is replaced now, as "package.module.name" or "package.module.Class.name"."""
-    return [f"{_qualified(owner)}.{name}" for owner, name in _ORIGINALS
-            if (owner, name) != _AT_EXIT]
+    return [
+        f"{_qualified(owner)}.{name}" for owner, name in _ORIGINALS if (owner, name) != _AT_EXIT
+    ]
 
 
 def _qualified(owner: Any) -> str:
@@ -125,25 +150,37 @@ def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
     try:
         _replace(site.trainer, "reduce_per_replica", keras_lib.reduce_per_replica_wrapper)
         backup = importlib.import_module(site.callbacks).BackupAndRestore
-        _replace(f"{site.callback_list}:CallbackList", "__init__",
-                 functools.partial(keras_lib.callback_list_init_wrapper, backup_class=backup))
+        _replace(
+            f"{site.callback_list}:CallbackList",
+            "__init__",
+            functools.partial(keras_lib.callback_list_init_wrapper, backup_class=backup),
+        )
         for call in site.write_calls:
-            _replace(call.owner, call.name,
-                     functools.partial(calls.write_point_wrapper, listed=call))
+            _replace(
+                call.owner, call.name, functools.partial(calls.write_point_wrapper, listed=call)
+            )
         if package == "tf_keras":
             for name in _keras_internal.TF_KERAS_FILE_UTIL_NAMES:
-                _replace(_keras_internal.TF_KERAS_FILE_UTILS, name,
-                         functools.partial(keras_lib.file_util_wrapper, name=name))
-            _replace(f"{_keras_internal.TF_KERAS_TRAINING_STATE}:WorkerTrainingState",
-                     "__init__", keras_lib.training_state_init_wrapper)
+                _replace(
+                    _keras_internal.TF_KERAS_FILE_UTILS,
+                    name,
+                    functools.partial(keras_lib.file_util_wrapper, name=name),
+                )
+            _replace(
+                f"{_keras_internal.TF_KERAS_TRAINING_STATE}:WorkerTrainingState",
+                "__init__",
+                keras_lib.training_state_init_wrapper,
+            )
     except (ImportError, AttributeError) as exc:  # pragma: no cover - another Keras
-        logger.warning("could not adapt %s (%s): predict() returns only this rank's rows, "
-                       "every rank prints progress, and saves are not write points.",
-                       package, exc)
+        logger.warning(
+            "could not adapt %s (%s): predict() returns only this rank's rows, "
+            "every rank prints progress, and saves are not write points.",
+            package,
+            exc,
+        )
 
 
-def _write_call_wrapper(original: Any, *, call: _tf_internal.WriteCall,
-                        synchronous: bool) -> Any:
+def _write_call_wrapper(original: Any, *, call: _tf_internal.WriteCall, synchronous: bool) -> Any:
     wrapper = calls.write_point_wrapper(original, call)
     return calls.synchronous_checkpoint_wrapper(wrapper) if synchronous else wrapper
 
@@ -171,11 +208,13 @@ def _once(key: tuple[Any, str], wrap: Callable[[Any], Any]) -> None:
 
 
 def _excepthook_over(previous: Callable[..., Any]) -> Callable[..., None]:
-    def excepthook(exc_type: type[BaseException], exc: BaseException,
-                   tb: TracebackType | None) -> None:
+    def excepthook(
+        exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+    ) -> None:
         if previous is not sys.__excepthook__:
             previous(exc_type, exc, tb)  # a hook the program installed itself
         failure.end_the_job(exc_type, exc, tb)
+
     return excepthook
 
 

@@ -20,8 +20,7 @@ BIG = 1 << 15  # float32 elements: 128 KiB, pooled
 def _pooled(pool, address):
     """Whether ``address`` lies in one of ``pool``'s pooled buffers."""
     starts = [np.frombuffer(slot.memory, np.uint8).ctypes.data for slot in pool._slots]
-    return any(start <= address < start + slot.size
-               for start, slot in zip(starts, pool._slots))
+    return any(start <= address < start + slot.size for start, slot in zip(starts, pool._slots))
 
 
 def test_buffers_are_aligned_for_tensorflow():
@@ -103,6 +102,7 @@ def _packing_function(pool, addresses):
     @tf.function
     def packed(x):
         return tf.numpy_function(numpy_fn, [x, 2 * x], [tf.float32, tf.float32])
+
     return packed
 
 
@@ -116,8 +116,7 @@ def test_tensorflow_adopts_the_buffers_without_a_copy():
         kept.append(views[0])
         return views
 
-    (out,) = tf.function(lambda x: tf.numpy_function(numpy_fn, [x], [tf.float32]))(
-        tf.ones([BIG]))
+    (out,) = tf.function(lambda x: tf.numpy_function(numpy_fn, [x], [tf.float32]))(tf.ones([BIG]))
     kept[0][:] = 7
     np.testing.assert_array_equal(out.numpy(), np.full([BIG], 7, np.float32))
 
@@ -144,6 +143,7 @@ def test_tensorflow_results_are_not_overwritten_and_buffers_are_reused_in_steady
 @pytest.mark.skipif(SIZE == 1, reason="a 1-rank world does not call MPI")
 def test_allreduce_reuses_its_buffers_in_steady_state():
     from mpi_strategy._src.distribute.ops import OrderedComm
+
     mpi = OrderedComm(WORLD)
     summed = tf.function(lambda x: mpi.allreduce_sum_packed([x, 2 * x]))
     for step in range(10):

@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_testing import (NUM_REPLICAS, RANK, SIZE, WORLD, assert_same_on_all_ranks,
-                          local_devices)
+from mpi_testing import NUM_REPLICAS, RANK, SIZE, WORLD, assert_same_on_all_ranks, local_devices
 from mpi_strategy import MPICrossDeviceOps, MPIStrategy, compression
 from mpi_strategy.errors import MPIStrategyError
 from mpi_strategy._src.distribute.ops import OrderedComm
@@ -27,8 +26,13 @@ def _rank_values(rank, dtype=np.float32):
 def _expected(wire, dtype=np.float32):
     # Inputs rounded to 16 bits (float64 by way of float32), summed in float32
     # in rank order, rounded once more.
-    total = sum(np.concatenate([v.reshape(-1) for v in _rank_values(r, dtype)])
-                .astype(np.float32).astype(WIRE[wire]).astype(np.float32) for r in range(SIZE))
+    total = sum(
+        np.concatenate([v.reshape(-1) for v in _rank_values(r, dtype)])
+        .astype(np.float32)
+        .astype(WIRE[wire])
+        .astype(np.float32)
+        for r in range(SIZE)
+    )
     return total.astype(WIRE[wire]).astype(dtype)
 
 
@@ -48,7 +52,9 @@ def test_sixteen_bit_sum_rounds_inputs_and_sum_only(mpi, wire, dtype, in_functio
     assert all(o.dtype == dtype for o in out)
     flat = np.concatenate([o.numpy().reshape(-1) for o in out])
     if SIZE == 1:  # nothing to send: exact
-        np.testing.assert_array_equal(flat, np.concatenate([v.reshape(-1) for v in _rank_values(0, dtype)]))
+        np.testing.assert_array_equal(
+            flat, np.concatenate([v.reshape(-1) for v in _rank_values(0, dtype)])
+        )
     else:
         np.testing.assert_array_equal(flat, _expected(wire, dtype))
     assert_same_on_all_ranks(flat)
@@ -60,8 +66,11 @@ def test_large_tensors_go_16_bit_in_one_alltoall_and_allgather_small_ones_exact(
     policy = compression.resolve("float16")
     tensors = [tf.zeros(s) for s in SHAPES] + [tf.zeros([]), tf.zeros([10])]
     graph = tf.function(lambda: policy.allreduce(tensors, mpi)).get_concrete_function().graph
-    calls = {op.name.split("/")[-1].rstrip("_0123456789"): op
-             for op in graph.get_operations() if op.type == "PyFunc"}
+    calls = {
+        op.name.split("/")[-1].rstrip("_0123456789"): op
+        for op in graph.get_operations()
+        if op.type == "PyFunc"
+    }
     assert sorted(calls) == ["MPIAllgather", "MPIAllreduce", "MPIAlltoall"], sorted(calls)
     # 16-bit values on the wire: half the bytes of float32.
     for name in ("MPIAllgather", "MPIAlltoall"):
@@ -72,10 +81,11 @@ def test_large_tensors_go_16_bit_in_one_alltoall_and_allgather_small_ones_exact(
 
 def test_small_integer_and_unknown_reductions_stay_exact(mpi):
     policy = compression.resolve("bfloat16")
-    small = [tf.constant([1.0 + 2 ** -20 * RANK, 3.0])]  # bfloat16 would round this
+    small = [tf.constant([1.0 + 2**-20 * RANK, 3.0])]  # bfloat16 would round this
     out = policy.allreduce(small, mpi)[0].numpy()
     np.testing.assert_array_equal(
-        out, np.array([sum(1.0 + 2 ** -20 * r for r in range(SIZE)), 3.0 * SIZE], np.float32))
+        out, np.array([sum(1.0 + 2**-20 * r for r in range(SIZE)), 3.0 * SIZE], np.float32)
+    )
     ints = [tf.fill([40000], RANK + 1)]  # 160 KB of int32: never compressed
     assert int(policy.allreduce(ints, mpi)[0][0]) == SIZE * (SIZE + 1) // 2
 
@@ -90,22 +100,23 @@ def test_strategy_compresses_gradients_but_not_the_loss():
         def fn():
             r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
             grads = tf.fill([200, 100], 0.1 + r)
-            loss = 1.0 + r * 2 ** -20
+            loss = 1.0 + r * 2**-20
             return tf.distribute.get_replica_context().all_reduce("SUM", [grads, loss])
+
         return strategy.experimental_local_results(strategy.run(fn))[0]
 
     grads, loss = step()
     # Each rank first sums its own replicas exactly, then the ranks' sums are
     # rounded to float16, added in float32 and rounded once more.
     local = NUM_REPLICAS // SIZE
-    per_rank = [sum(np.float32(0.1 + k * local + j) for j in range(local))
-                for k in range(SIZE)]
+    per_rank = [sum(np.float32(0.1 + k * local + j) for j in range(local)) for k in range(SIZE)]
     exact = sum(per_rank)
     rounded = np.float16(sum(np.float32(np.float16(v)) for v in per_rank))
     if SIZE > 1:
         assert float(grads[0, 0]) == float(rounded) != float(exact)
-    assert float(loss) == pytest.approx(sum(1.0 + r * 2 ** -20 for r in range(NUM_REPLICAS)),
-                                        abs=0, rel=1e-7)
+    assert float(loss) == pytest.approx(
+        sum(1.0 + r * 2**-20 for r in range(NUM_REPLICAS)), abs=0, rel=1e-7
+    )
     del weights
 
 
@@ -128,11 +139,16 @@ def test_keras_fit_with_bfloat16_compression_keeps_ranks_identical():
     y = (x @ rng.standard_normal((100, 1)) > 0).astype(np.float32)
     with strategy.scope():
         tf.keras.utils.set_random_seed(3)
-        model = tf.keras.Sequential([tf.keras.Input((100,)),
-                                     tf.keras.layers.Dense(64, activation="relu"),  # 25.6 KB
-                                     tf.keras.layers.Dense(1)])
-        model.compile(tf.keras.optimizers.SGD(0.1),
-                      tf.keras.losses.BinaryCrossentropy(from_logits=True))
+        model = tf.keras.Sequential(
+            [
+                tf.keras.Input((100,)),
+                tf.keras.layers.Dense(64, activation="relu"),  # 25.6 KB
+                tf.keras.layers.Dense(1),
+            ]
+        )
+        model.compile(
+            tf.keras.optimizers.SGD(0.1), tf.keras.losses.BinaryCrossentropy(from_logits=True)
+        )
     history = model.fit(x, y, batch_size=8 * NUM_REPLICAS, epochs=3, verbose=0, shuffle=False)
     assert history.history["loss"][-1] < history.history["loss"][0]
     for w in model.get_weights():
@@ -145,7 +161,7 @@ def test_float16_overflow_is_inf_and_bfloat16_keeps_the_range(mpi):
     big = [tf.fill([8192], 7e4)]  # 32 KB, above float16's largest value 65504
     assert np.isinf(compression.resolve("float16").allreduce(big, mpi)[0].numpy()).all()
     out = compression.resolve("bfloat16").allreduce(big, mpi)[0].numpy()
-    np.testing.assert_allclose(out, 7e4 * SIZE, rtol=2 ** -7)
+    np.testing.assert_allclose(out, 7e4 * SIZE, rtol=2**-7)
 
 
 # -- the policy protocol and the threshold ---------------------------------------------------
@@ -179,16 +195,30 @@ class _EmptyName(compression.Exact):
     name = ""
 
 
-@pytest.mark.parametrize("policy,error,message", [
-    (_NoAllreduce(), TypeError, "_NoAllreduce has no `allreduce` method"),
-    (_AllreduceNotCallable(), TypeError, "`allreduce` is not callable"),
-    (_NoTimeout(), TypeError, r"`allreduce\(tensors, mpi\)` cannot be called as "
-                              r"allreduce\(tensors, mpi=..., timeout=...\)"),
-    (_CommNotMpi(), TypeError, r"`allreduce\(tensors, comm, timeout=None\)` cannot be called"),
-    (_NameNotStr(), TypeError, "`name` must be a str"),
-    (_EmptyName(), ValueError, "`name` is empty"),
-], ids=["no-allreduce", "not-callable", "no-timeout", "comm-not-mpi", "name-not-str",
-        "empty-name"])
+@pytest.mark.parametrize(
+    "policy,error,message",
+    [
+        (_NoAllreduce(), TypeError, "_NoAllreduce has no `allreduce` method"),
+        (_AllreduceNotCallable(), TypeError, "`allreduce` is not callable"),
+        (
+            _NoTimeout(),
+            TypeError,
+            r"`allreduce\(tensors, mpi\)` cannot be called as "
+            r"allreduce\(tensors, mpi=..., timeout=...\)",
+        ),
+        (_CommNotMpi(), TypeError, r"`allreduce\(tensors, comm, timeout=None\)` cannot be called"),
+        (_NameNotStr(), TypeError, "`name` must be a str"),
+        (_EmptyName(), ValueError, "`name` is empty"),
+    ],
+    ids=[
+        "no-allreduce",
+        "not-callable",
+        "no-timeout",
+        "comm-not-mpi",
+        "name-not-str",
+        "empty-name",
+    ],
+)
 def test_strategy_rejects_a_policy_that_breaks_the_protocol(policy, error, message):
     # Raised on every rank before any collective, so no rank is left waiting.
     with pytest.raises(error, match=message):
@@ -197,12 +227,16 @@ def test_strategy_rejects_a_policy_that_breaks_the_protocol(policy, error, messa
         MPICrossDeviceOps(compression=policy)
 
 
-@pytest.mark.parametrize("wire,min_bytes,error,message", [
-    ("float16", -1, ValueError, "min_bytes must be >= 0; got -1"),
-    ("float16", 1.5, TypeError, "min_bytes must be an int; got 1.5"),
-    ("float16", True, TypeError, "min_bytes must be an int; got True"),
-    ("float32", 0, ValueError, "wire_dtype must be float16 or bfloat16; got float32"),
-], ids=["negative", "float", "bool", "float32-wire"])
+@pytest.mark.parametrize(
+    "wire,min_bytes,error,message",
+    [
+        ("float16", -1, ValueError, "min_bytes must be >= 0; got -1"),
+        ("float16", 1.5, TypeError, "min_bytes must be an int; got 1.5"),
+        ("float16", True, TypeError, "min_bytes must be an int; got True"),
+        ("float32", 0, ValueError, "wire_dtype must be float16 or bfloat16; got float32"),
+    ],
+    ids=["negative", "float", "bool", "float32-wire"],
+)
 def test_sixteen_bit_rejects_bad_settings(wire, min_bytes, error, message):
     with pytest.raises(error, match=message):
         compression.SixteenBit(wire, min_bytes=min_bytes)
@@ -211,15 +245,20 @@ def test_sixteen_bit_rejects_bad_settings(wire, min_bytes, error, message):
 def test_the_name_carries_a_threshold_other_than_the_default():
     assert compression.resolve("float16").name == "float16"
     assert compression.resolve("bfloat16").min_bytes == compression.MIN_BYTES == 16 * 1024
-    assert compression.SixteenBit("bfloat16", min_bytes=np.int64(1024)).name == \
-        "bfloat16(min_bytes=1024)"
+    assert (
+        compression.SixteenBit("bfloat16", min_bytes=np.int64(1024)).name
+        == "bfloat16(min_bytes=1024)"
+    )
 
 
 @pytest.mark.parametrize("min_bytes", [1024, compression.MIN_BYTES])
 def test_only_tensors_of_at_least_min_bytes_are_rounded(mpi, min_bytes):
-    policy = (compression.resolve("bfloat16") if min_bytes == compression.MIN_BYTES
-              else compression.SixteenBit("bfloat16", min_bytes=min_bytes))
-    value = 1 + 2 ** -10  # exact in float32, 1.0 in bfloat16
+    policy = (
+        compression.resolve("bfloat16")
+        if min_bytes == compression.MIN_BYTES
+        else compression.SixteenBit("bfloat16", min_bytes=min_bytes)
+    )
+    value = 1 + 2**-10  # exact in float32, 1.0 in bfloat16
     elements = min_bytes // 4
     under, at = tf.fill([elements - 1], value), tf.fill([elements], value)
     out_under, out_at = (o.numpy() for o in policy.allreduce([under, at], mpi))
@@ -232,8 +271,11 @@ def test_ranks_must_agree_on_the_threshold():
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
     policy = compression.SixteenBit("float16", min_bytes=1024 if RANK == 0 else 2048)
-    with pytest.raises(MPIStrategyError, match=r"compression \(here 'float16\(min_bytes=\d+\)'\) "
-                                               "differs between ranks"):
+    with pytest.raises(
+        MPIStrategyError,
+        match=r"compression \(here 'float16\(min_bytes=\d+\)'\) "
+        "differs between ranks",
+    ):
         MPICrossDeviceOps(compression=policy)
 
 
@@ -261,6 +303,7 @@ def test_a_custom_policy_sums_the_strategys_reductions():
             ctx = tf.distribute.get_replica_context()
             replica = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
             return ctx.all_reduce("SUM", tf.fill([3], replica))
+
         return strategy.experimental_local_results(strategy.run(fn))[0]
 
     np.testing.assert_array_equal(step().numpy(), [sum(range(NUM_REPLICAS))] * 3)
@@ -270,8 +313,9 @@ def test_a_custom_policy_sums_the_strategys_reductions():
 
 def test_strategy_takes_a_sixteen_bit_policy_with_its_threshold():
     # The 200 x 100 float32 gradient (80,000 bytes) is just under the threshold: exact.
-    strategy = MPIStrategy(devices=local_devices(),
-                           compression=compression.SixteenBit("float16", min_bytes=80_004))
+    strategy = MPIStrategy(
+        devices=local_devices(), compression=compression.SixteenBit("float16", min_bytes=80_004)
+    )
     assert strategy.extended._cross_device_ops.compression == "float16(min_bytes=80004)"
 
     @tf.function
@@ -280,6 +324,7 @@ def test_strategy_takes_a_sixteen_bit_policy_with_its_threshold():
             ctx = tf.distribute.get_replica_context()
             replica = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
             return ctx.all_reduce("SUM", tf.fill([200, 100], 0.1 + replica))
+
         return strategy.experimental_local_results(strategy.run(fn))[0]
 
     exact = sum(np.float32(0.1 + r) for r in range(NUM_REPLICAS))

@@ -8,7 +8,6 @@ from mpi_testing import NUM_REPLICAS, RANK, SIZE
 from mpi_strategy import MPICrossDeviceOps
 
 
-
 def _mpi_op_counts(concrete_function):
     counts = {}
     for op in concrete_function.graph.get_operations():
@@ -26,9 +25,15 @@ def test_batch_reduce_is_one_allreduce_per_dtype(strategy):
     def step():
         def fn():
             r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
-            grads = [tf.fill([3, 4], r), tf.fill([7], r), tf.fill([], r),
-                     tf.cast(tf.fill([2], r), tf.float64), tf.fill([5, 1], r)]
+            grads = [
+                tf.fill([3, 4], r),
+                tf.fill([7], r),
+                tf.fill([], r),
+                tf.cast(tf.fill([2], r), tf.float64),
+                tf.fill([5, 1], r),
+            ]
             return tf.distribute.get_replica_context().all_reduce("SUM", grads)
+
         return strategy.experimental_local_results(strategy.run(fn))[0]
 
     concrete = step.get_concrete_function()
@@ -50,12 +55,17 @@ def test_sparse_gradients_of_many_tables_are_one_allgather(strategy):
     def step():
         def fn():
             r = tf.distribute.get_replica_context().replica_id_in_sync_group
-            grads = [tf.IndexedSlices(tf.fill([k + 1, k + 2], tf.cast(r + 1, tf.float32)),
-                                      indices=tf.range(k + 1) + r,
-                                      dense_shape=tf.constant([20, k + 2]))
-                     for k in range(3)]
+            grads = [
+                tf.IndexedSlices(
+                    tf.fill([k + 1, k + 2], tf.cast(r + 1, tf.float32)),
+                    indices=tf.range(k + 1) + r,
+                    dense_shape=tf.constant([20, k + 2]),
+                )
+                for k in range(3)
+            ]
             dense = tf.fill([4], tf.cast(r, tf.float32))
             return tf.distribute.get_replica_context().all_reduce("SUM", grads + [dense])
+
         return strategy.experimental_local_results(strategy.run(fn))[0]
 
     # The small dense value rides along in the same all_gather.
@@ -66,7 +76,7 @@ def test_sparse_gradients_of_many_tables_are_one_allgather(strategy):
         dense = tf.convert_to_tensor(out[k]).numpy()
         expected = np.zeros([20, k + 2], np.float32)
         for r in range(NUM_REPLICAS):
-            expected[r:r + k + 1] += r + 1
+            expected[r : r + k + 1] += r + 1
         np.testing.assert_array_equal(dense, expected)
     total = NUM_REPLICAS * (NUM_REPLICAS - 1) / 2
     np.testing.assert_array_equal(out[3].numpy(), np.full([4], total))

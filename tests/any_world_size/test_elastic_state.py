@@ -23,6 +23,7 @@ def _step(strategy, model, optimizer):
             loss = tf.reduce_sum(model(tf.ones([2, 3])) ** 2)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
     strategy.run(tf.function(replica_step))
 
 

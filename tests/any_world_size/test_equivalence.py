@@ -13,8 +13,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_testing import (NUM_REPLICAS, assert_same_on_all_ranks, computed_on_rank0,
-                         mpi_strategy_under_test, reference_strategy)
+from mpi_testing import (
+    NUM_REPLICAS,
+    assert_same_on_all_ranks,
+    computed_on_rank0,
+    mpi_strategy_under_test,
+    reference_strategy,
+)
 
 PER_REPLICA_BATCH = 4
 GLOBAL_BATCH = PER_REPLICA_BATCH * NUM_REPLICAS
@@ -25,8 +30,10 @@ _rng = np.random.default_rng(0)
 X = _rng.normal(size=(NUM_EXAMPLES, FEATURES)).astype(np.float32)
 Y = _rng.integers(0, CLASSES, size=NUM_EXAMPLES).astype(np.int64)
 INITIAL_WEIGHTS = [
-    _rng.normal(scale=0.3, size=(FEATURES, 16)).astype(np.float32), np.zeros(16, np.float32),
-    _rng.normal(scale=0.3, size=(16, CLASSES)).astype(np.float32), np.zeros(CLASSES, np.float32),
+    _rng.normal(scale=0.3, size=(FEATURES, 16)).astype(np.float32),
+    np.zeros(16, np.float32),
+    _rng.normal(scale=0.3, size=(16, CLASSES)).astype(np.float32),
+    np.zeros(CLASSES, np.float32),
 ]
 
 
@@ -37,11 +44,13 @@ def strategies():
 
 def build(strategy):
     with strategy.scope():
-        model = tf.keras.Sequential([
-            tf.keras.Input((FEATURES,)),
-            tf.keras.layers.Dense(16, activation="relu"),
-            tf.keras.layers.Dense(CLASSES),
-        ])
+        model = tf.keras.Sequential(
+            [
+                tf.keras.Input((FEATURES,)),
+                tf.keras.layers.Dense(16, activation="relu"),
+                tf.keras.layers.Dense(CLASSES),
+            ]
+        )
         model.set_weights(INITIAL_WEIGHTS)
         optimizer = tf.keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
     return model, optimizer
@@ -53,17 +62,18 @@ def distributed_batches(strategy, input_mode):
         return list(strategy.experimental_distribute_dataset(dataset))
     batches = []
     for start in range(0, NUM_EXAMPLES - GLOBAL_BATCH + 1, GLOBAL_BATCH):
+
         def value_fn(ctx, start=start):
             lo = start + ctx.replica_id_in_sync_group * PER_REPLICA_BATCH
-            return X[lo:lo + PER_REPLICA_BATCH], Y[lo:lo + PER_REPLICA_BATCH]
+            return X[lo : lo + PER_REPLICA_BATCH], Y[lo : lo + PER_REPLICA_BATCH]
+
         batches.append(strategy.experimental_distribute_values_from_function(value_fn))
     return batches
 
 
 def train(strategy, mode, input_mode):
     model, optimizer = build(strategy)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction="none")
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
     def replica_step(x, y):
         with tf.GradientTape() as tape:
@@ -88,7 +98,8 @@ def train(strategy, mode, input_mode):
 def test_training_matches_mirrored_strategy(strategies, mode, input_mode):
     mpi_losses, mpi_weights = train(strategies["mpi"], mode, input_mode)
     ref_losses, ref_weights = computed_on_rank0(
-        lambda: train(strategies["mirrored"], mode, input_mode))
+        lambda: train(strategies["mirrored"], mode, input_mode)
+    )
     assert len(mpi_losses) >= 2
     np.testing.assert_allclose(mpi_losses, ref_losses, rtol=1e-5, atol=1e-6)
     for got, want in zip(mpi_weights, ref_weights):

@@ -20,8 +20,8 @@ from mpi_strategy import MPIStrategyError
 from mpi_testing import LOCAL_DEVICES, NUM_REPLICAS, assert_same_on_all_ranks, computed_on_rank0
 
 FEATURES, CLASSES = 6, 4
-BATCH = 4 * NUM_REPLICAS       # the global batch, the same in the one-process reference
-EXAMPLES = 8 * BATCH           # no ragged batch: a ragged one is averaged differently
+BATCH = 4 * NUM_REPLICAS  # the global batch, the same in the one-process reference
+EXAMPLES = 8 * BATCH  # no ragged batch: a ragged one is averaged differently
 EPOCHS = 3
 
 _rng = np.random.default_rng(5)
@@ -42,8 +42,9 @@ CASES = {
 
 
 def _synchronizes_in_cond(adam_kwargs):
-    return bool(adam_kwargs.get("gradient_accumulation_steps")
-                or adam_kwargs.get("ema_overwrite_frequency"))
+    return bool(
+        adam_kwargs.get("gradient_accumulation_steps") or adam_kwargs.get("ema_overwrite_frequency")
+    )
 
 
 def fit(strategy, adam_kwargs, steps_per_execution, policy):
@@ -52,27 +53,38 @@ def fit(strategy, adam_kwargs, steps_per_execution, policy):
     keras.mixed_precision.set_global_policy(policy or "float32")
     try:
         with strategy.scope() if strategy else tf.distribute.get_strategy().scope():
-            model = keras.Sequential([
-                keras.Input((FEATURES,)),
-                keras.layers.Dense(16, activation="relu"),
-                keras.layers.Dense(CLASSES, dtype="float32"),
-            ])
-            model.set_weights([
-                np.sin(np.arange(w.size) + 1.0).reshape(w.shape).astype(np.float32) * 0.3
-                for w in model.get_weights()])
+            model = keras.Sequential(
+                [
+                    keras.Input((FEATURES,)),
+                    keras.layers.Dense(16, activation="relu"),
+                    keras.layers.Dense(CLASSES, dtype="float32"),
+                ]
+            )
+            model.set_weights(
+                [
+                    np.sin(np.arange(w.size) + 1.0).reshape(w.shape).astype(np.float32) * 0.3
+                    for w in model.get_weights()
+                ]
+            )
             optimizer = keras.optimizers.Adam(learning_rate=0.02, **adam_kwargs)
             if policy:
                 optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-            model.compile(optimizer=optimizer,
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          steps_per_execution=steps_per_execution)
+            model.compile(
+                optimizer=optimizer,
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                steps_per_execution=steps_per_execution,
+            )
         history = model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
     averages = [v.numpy() for v in inner.variables if v.name.endswith("_average")]
-    return (np.array(history.history["loss"]), model.get_weights(),
-            int(inner.iterations.numpy()), averages)
+    return (
+        np.array(history.history["loss"]),
+        model.get_weights(),
+        int(inner.iterations.numpy()),
+        averages,
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -82,8 +94,7 @@ def test_fit_matches_one_process_without_strategy(strategy, case):
         with pytest.raises(MPIStrategyError, match="one device per rank"):
             fit(strategy, adam_kwargs, steps_per_execution, policy)
         return
-    losses, weights, iterations, averages = fit(strategy, adam_kwargs, steps_per_execution,
-                                                policy)
+    losses, weights, iterations, averages = fit(strategy, adam_kwargs, steps_per_execution, policy)
     want = computed_on_rank0(lambda: fit(None, adam_kwargs, steps_per_execution, policy))
     # float16 layers round differently on smaller per-replica batches.
     tol = 1e-3 if policy else 1e-4
@@ -106,6 +117,7 @@ def test_fit_matches_one_process_without_strategy(strategy, case):
 def test_all_reduce_inside_tf_cond_of_a_replica_function(strategy):
     """The tf.distribute mechanism underneath: ReplicaContext.all_reduce inside a
     tf.cond of the function given to ``strategy.run``."""
+
     def replica_fn():
         ctx = tf.distribute.get_replica_context()
         mine = tf.cast(ctx.replica_id_in_sync_group, tf.float32) + 1.0

@@ -16,12 +16,14 @@ def test_rank_0_logs_info_and_the_other_ranks_only_errors():
 
 def test_options_the_strategy_ignores_are_named_once_on_rank_0():
     import tensorflow as tf
+
     (handler,) = [h for h in logger.handlers if type(h).__name__ == "_RankTaggedHandler"]
     stream = io.StringIO()
     previous = handler.setStream(stream)
     options = tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=1 << 20,
-        implementation=tf.distribute.experimental.CommunicationImplementation.NCCL)
+        implementation=tf.distribute.experimental.CommunicationImplementation.NCCL,
+    )
     try:
         for _ in range(2):
             mpi_strategy.MPIStrategy(devices=local_devices(), communication_options=options)

@@ -58,12 +58,14 @@ class CountingComm:
         def counted(*args, **kwargs):
             self.calls[name] = self.calls.get(name, 0) + 1
             return attr(*args, **kwargs)
+
         return counted
 
 
 def test_collectives_run_on_their_own_duplicate_freed_with_the_ordered_comm():
     import gc
     from mpi4py import MPI
+
     ordered, other = OrderedComm(WORLD), OrderedComm(WORLD)
     dup = ordered.comm
     assert MPI.Comm.Compare(dup, WORLD) == MPI.CONGRUENT  # same ranks, own matching
@@ -117,9 +119,14 @@ def test_allreduce_scalar_and_empty(mpi):
 
 def test_slots_are_aligned_and_packed_with_zero_padding():
     from mpi_strategy._src.core.buffers import ALIGN_BYTES, BufferPool, pack
-    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(300, dtype=np.float32),
-              np.float32(7) * np.ones(()), np.zeros((0, 4), np.float32),
-              np.arange(17, dtype=np.float32)]
+
+    arrays = [
+        np.arange(6, dtype=np.float32).reshape(2, 3),
+        np.arange(300, dtype=np.float32),
+        np.float32(7) * np.ones(()),
+        np.zeros((0, 4), np.float32),
+        np.arange(17, dtype=np.float32),
+    ]
     buffer, views = pack(arrays, BufferPool())
     assert buffer.size == 16 + 304 + 16 + 0 + 32  # each padded to 64 bytes
     for a, v in zip(arrays, views):
@@ -158,8 +165,9 @@ def test_shapes_that_differ_with_equal_sizes_raise_on_every_rank(mpi):
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
     x = tf.zeros([2, 3] if RANK == 0 else [3, 2])
-    with pytest.raises(CollectiveMismatchError,
-                       match="same sizes, but the shapes differ between ranks"):
+    with pytest.raises(
+        CollectiveMismatchError, match="same sizes, but the shapes differ between ranks"
+    ):
         mpi.allreduce_sum(x)
 
 
@@ -183,8 +191,9 @@ def test_allgather_mismatched_rows_raise_on_every_rank(mpi):
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
     x = tf.zeros([1, 2 + RANK])
-    by_rank = "; ".join(f"rank {r}: all_gather of 1 rows of {2 + r} float32 elements"
-                        for r in range(SIZE))
+    by_rank = "; ".join(
+        f"rank {r}: all_gather of 1 rows of {2 + r} float32 elements" for r in range(SIZE)
+    )
     with pytest.raises(CollectiveMismatchError, match=re.escape(by_rank)):
         mpi.allgather(x)
 
@@ -193,16 +202,20 @@ def test_allgather_mismatched_rows_raise_on_every_rank(mpi):
 def test_allgather_many_mixed_dtypes_and_rows(mpi, in_function):
     # Rank r sends r + 1 rows of one tensor, 2 r rows of another (none on
     # rank 0), a scalar and a 3-d tensor: all in one call.
-    tensors = [tf.fill([RANK + 1, 3], float(RANK)),
-               tf.range(10 * RANK, 12 * RANK, dtype=tf.int64),
-               tf.constant(RANK, tf.int32),
-               tf.fill([1, 2, 2], tf.constant(RANK + 0.5, tf.float64))]
+    tensors = [
+        tf.fill([RANK + 1, 3], float(RANK)),
+        tf.range(10 * RANK, 12 * RANK, dtype=tf.int64),
+        tf.constant(RANK, tf.int32),
+        tf.fill([1, 2, 2], tf.constant(RANK + 0.5, tf.float64)),
+    ]
     fn = tf.function(mpi.allgather_many) if in_function else mpi.allgather_many
     out = fn(tensors)
-    expected = [np.concatenate([np.full([r + 1, 3], r, np.float32) for r in range(SIZE)]),
-                np.concatenate([np.arange(10 * r, 12 * r) for r in range(SIZE)]).astype(np.int64),
-                np.arange(SIZE, dtype=np.int32),
-                np.concatenate([np.full([1, 2, 2], r + 0.5) for r in range(SIZE)])]
+    expected = [
+        np.concatenate([np.full([r + 1, 3], r, np.float32) for r in range(SIZE)]),
+        np.concatenate([np.arange(10 * r, 12 * r) for r in range(SIZE)]).astype(np.int64),
+        np.arange(SIZE, dtype=np.int32),
+        np.concatenate([np.full([1, 2, 2], r + 0.5) for r in range(SIZE)]),
+    ]
     assert [o.dtype for o in out] == [t.dtype for t in tensors]
     for o, e in zip(out, expected):
         np.testing.assert_array_equal(o.numpy(), e)
@@ -212,15 +225,21 @@ def test_allgather_many_mixed_dtypes_and_rows(mpi, in_function):
 def test_allgather_many_with_equal_rows_on_every_rank(mpi, rows):
     # The usual case (equal batches): each tensor's pieces sit at the same
     # place in every rank's part; empty and 0-d tensors among them.
-    tensors = [tf.fill([rows, 3], float(RANK)), tf.zeros([0, 2]),
-               tf.range(rows, dtype=tf.int64) + 100 * RANK, tf.constant(RANK, tf.int8),
-               tf.fill([rows, 1, 2], tf.constant(RANK, tf.float64))]
+    tensors = [
+        tf.fill([rows, 3], float(RANK)),
+        tf.zeros([0, 2]),
+        tf.range(rows, dtype=tf.int64) + 100 * RANK,
+        tf.constant(RANK, tf.int8),
+        tf.fill([rows, 1, 2], tf.constant(RANK, tf.float64)),
+    ]
     out = mpi.allgather_many(tensors)
-    expected = [np.concatenate([np.full([rows, 3], r, np.float32) for r in range(SIZE)]),
-                np.zeros([0, 2], np.float32),
-                np.concatenate([np.arange(rows) + 100 * r for r in range(SIZE)]),
-                np.arange(SIZE, dtype=np.int8),
-                np.concatenate([np.full([rows, 1, 2], r, np.float64) for r in range(SIZE)])]
+    expected = [
+        np.concatenate([np.full([rows, 3], r, np.float32) for r in range(SIZE)]),
+        np.zeros([0, 2], np.float32),
+        np.concatenate([np.arange(rows) + 100 * r for r in range(SIZE)]),
+        np.arange(SIZE, dtype=np.int8),
+        np.concatenate([np.full([rows, 1, 2], r, np.float64) for r in range(SIZE)]),
+    ]
     for o, e in zip(out, expected):
         np.testing.assert_array_equal(o.numpy(), e)
         assert o.dtype.as_numpy_dtype == e.dtype
@@ -230,8 +249,7 @@ def test_allgather_many_dtype_mismatch_raises_on_every_rank(mpi):
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
     dtype = tf.int32 if RANK == 0 else tf.int64
-    with pytest.raises(CollectiveMismatchError,
-                       match=r"ranks disagree .*all_gather of 2 tensors"):
+    with pytest.raises(CollectiveMismatchError, match=r"ranks disagree .*all_gather of 2 tensors"):
         mpi.allgather_many([tf.zeros([1, 2]), tf.zeros([3], dtype)])
     assert float(mpi.allreduce_sum(tf.constant(1.0))) == SIZE  # still usable
 
@@ -245,8 +263,10 @@ def test_broadcast_takes_rank0_value(mpi, rows):
 def test_broadcast_size_mismatch_raises_on_every_rank(mpi):
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
-    with pytest.raises(CollectiveMismatchError,
-                       match=rf"ranks disagree .* rank {RANK}: broadcast of {RANK + 1} float32"):
+    with pytest.raises(
+        CollectiveMismatchError,
+        match=rf"ranks disagree .* rank {RANK}: broadcast of {RANK + 1} float32",
+    ):
         mpi.broadcast(tf.zeros([RANK + 1]))
 
 
@@ -257,9 +277,14 @@ def test_allreduce_shape_mismatch_raises_on_every_rank(mpi, in_function):
     fn = tf.function(mpi.allreduce_sum) if in_function else mpi.allreduce_sum
     by_rank = "; ".join(f"rank {r}: allreduce of {2 + r} float32 elements" for r in range(SIZE))
     # Eager: CollectiveMismatchError; tf.function: tf.errors.InvalidArgumentError.
-    _raised(in_function, tf.errors.InvalidArgumentError, CollectiveMismatchError,
-            rf"ranks disagree .*shapes \({2 + RANK},\)\)\. {re.escape(by_rank)}",
-            fn, tf.zeros([2 + RANK]))
+    _raised(
+        in_function,
+        tf.errors.InvalidArgumentError,
+        CollectiveMismatchError,
+        rf"ranks disagree .*shapes \({2 + RANK},\)\)\. {re.escape(by_rank)}",
+        fn,
+        tf.zeros([2 + RANK]),
+    )
     # The communicator is still usable afterwards.
     assert float(mpi.allreduce_sum(tf.constant(1.0))) == SIZE
 
@@ -268,8 +293,10 @@ def test_dtype_mismatch_raises_on_every_rank(mpi):
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
     dtype = tf.float64 if RANK == 0 else tf.float32
-    by_rank = "; ".join(f"rank {r}: allreduce of 3 {'float64' if r == 0 else 'float32'} elements"
-                        for r in range(SIZE))
+    by_rank = "; ".join(
+        f"rank {r}: allreduce of 3 {'float64' if r == 0 else 'float32'} elements"
+        for r in range(SIZE)
+    )
     with pytest.raises(CollectiveMismatchError, match=re.escape(by_rank)):
         mpi.allreduce_sum(tf.zeros([3], dtype))
 
@@ -284,10 +311,15 @@ def test_different_collectives_on_different_ranks_raise_on_every_rank(mpi, in_fu
         return mpi.allreduce_sum(x) if RANK == 0 else mpi.broadcast(x)
 
     fn = tf.function(step) if in_function else step
-    _raised(in_function, tf.errors.InvalidArgumentError, CollectiveMismatchError,
-            r"rank 0: allreduce of 4 float32 elements; rank 1: broadcast of 4 "
-            r"float32 elements.*running different collectives",
-            fn, tf.ones([4]))
+    _raised(
+        in_function,
+        tf.errors.InvalidArgumentError,
+        CollectiveMismatchError,
+        r"rank 0: allreduce of 4 float32 elements; rank 1: broadcast of 4 "
+        r"float32 elements.*running different collectives",
+        fn,
+        tf.ones([4]),
+    )
     assert float(mpi.allreduce_sum(tf.constant(1.0))) == SIZE  # still usable
 
 
@@ -299,14 +331,15 @@ def test_collectives_with_a_timeout_wait_for_late_ranks(in_function):
     def step(x):
         x = _rank_dependent_delay(x, 0.3 * RANK)
         summed = mpi.allreduce_sum(x, timeout=60)
-        return summed, mpi.allgather(x[:RANK + 1], timeout=60), mpi.broadcast(x, timeout=60)
+        return summed, mpi.allgather(x[: RANK + 1], timeout=60), mpi.broadcast(x, timeout=60)
 
     fn = tf.function(step) if in_function else step
     for _ in range(2):
         summed, gathered, broadcast = fn(tf.fill([5], float(RANK + 1)))
         np.testing.assert_array_equal(summed.numpy(), np.full([5], SIZE * (SIZE + 1) / 2))
         np.testing.assert_array_equal(
-            gathered.numpy(), np.concatenate([np.full([r + 1], r + 1.0) for r in range(SIZE)]))
+            gathered.numpy(), np.concatenate([np.full([r + 1], r + 1.0) for r in range(SIZE)])
+        )
         np.testing.assert_array_equal(broadcast.numpy(), np.ones([5]))
 
 
@@ -325,28 +358,34 @@ def test_a_timeout_is_deadline_exceeded_in_eager_and_unknown_in_a_function(in_fu
     try:
         if RANK == 0:
             # Eager: CollectiveTimeoutError; tf.function: tf.errors.UnknownError.
-            _raised(in_function, tf.errors.UnknownError if in_function
-                    else tf.errors.DeadlineExceededError, CollectiveTimeoutError,
-                    r"timeout after 0.5 s on rank 0 in allreduce of 4 float32 elements "
-                    r"\(shapes \(4,\); collective #1 of this communicator\): some ranks "
-                    r"never reached it", fn, tf.ones([4]))
+            _raised(
+                in_function,
+                tf.errors.UnknownError if in_function else tf.errors.DeadlineExceededError,
+                CollectiveTimeoutError,
+                r"timeout after 0.5 s on rank 0 in allreduce of 4 float32 elements "
+                r"\(shapes \(4,\); collective #1 of this communicator\): some ranks "
+                r"never reached it",
+                fn,
+                tf.ones([4]),
+            )
     finally:
         WORLD.Barrier()  # rank 0 has timed out
         if RANK != 0:
             # Complete rank 0's pending signature exchange (not the data that
             # would follow), so that no request is left pending, while rank 0
             # waits in the barrier below, which progresses it.
-            rendezvous.Rendezvous(comm).agree(rendezvous.ALLREDUCE, np.float32, [(4,)],
-                                              timeout=60)
+            rendezvous.Rendezvous(comm).agree(rendezvous.ALLREDUCE, np.float32, [(4,)], timeout=60)
         WORLD.Barrier()
         comm.Free()
 
 
 def _rank_dependent_delay(x, seconds):
     """Identity that is slow on some ranks, to provoke reordering of unordered ops."""
+
     def sleep(v):
         time.sleep(seconds)
         return v
+
     return tf.numpy_function(sleep, [x], x.dtype, stateful=False)
 
 
@@ -373,9 +412,11 @@ def test_order_is_kept_across_cond_while_and_nested_functions(mpi):
             if i % 3 == 0:
                 out = tf.cond(flag, lambda x=x: mpi.allreduce_sum(x), lambda x=x: x)
             elif i % 3 == 1:
-                out = tf.while_loop(lambda k, v: k < 2,
-                                    lambda k, v: (k + 1, mpi.allreduce_sum(v) / SIZE),
-                                    (tf.constant(0), x))[1]
+                out = tf.while_loop(
+                    lambda k, v: k < 2,
+                    lambda k, v: (k + 1, mpi.allreduce_sum(v) / SIZE),
+                    (tf.constant(0), x),
+                )[1]
             else:
                 out = nested(x)
             outs.append(out)
@@ -397,9 +438,13 @@ def test_order_holds_under_keras_style_steps_per_execution(mpi):
         def body(k, acc):
             opt = iterator.get_next_as_optional()
             value = tf.cond(opt.has_value(), lambda: opt.get_value(), lambda: 0.0)
-            summed = tf.cond(value >= 0, lambda: mpi.allreduce_sum(tf.fill([300], value)),
-                             lambda: tf.zeros([300]))
+            summed = tf.cond(
+                value >= 0,
+                lambda: mpi.allreduce_sum(tf.fill([300], value)),
+                lambda: tf.zeros([300]),
+            )
             return k + 1, acc + mpi.allreduce_sum(summed[:1])[0]
+
         return tf.while_loop(lambda k, acc: k < 5, body, (0, 0.0))[1]
 
     total = multi_step(data).numpy()

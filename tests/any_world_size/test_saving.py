@@ -37,8 +37,9 @@ def written_bytes():
 def build(K, strategy):
     """A compiled, trained model whose metrics hold state (sync-on-read variables)."""
     with strategy.scope():
-        model = K.Sequential([K.Input((FEATURES,)), K.layers.Dense(UNITS, activation="relu"),
-                              K.layers.Dense(2)])
+        model = K.Sequential(
+            [K.Input((FEATURES,)), K.layers.Dense(UNITS, activation="relu"), K.layers.Dense(2)]
+        )
         model.compile(optimizer=K.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
     x = np.linspace(0, 1, 2 * BATCH * FEATURES, dtype=np.float32).reshape(2 * BATCH, FEATURES)
     model.fit(x, np.ones((2 * BATCH, 2), np.float32), batch_size=BATCH, epochs=1, verbose=0)
@@ -62,36 +63,68 @@ def _restored_checkpoint(model, path):
 
 # name: (Keras, save(model, path) -> path to load, load(model, path) -> weights)
 SAVES = {
-    "Checkpoint.save": ("keras", lambda m, p: _checkpoint_of(m).save(os.path.join(p, "ckpt")),
-                        _restored_checkpoint),
-    "Checkpoint.write": ("keras", lambda m, p: _checkpoint_of(m).write(os.path.join(p, "ckpt")),
-                         lambda m, p: (_checkpoint_of(m).read(p), m.get_weights())[1]),
+    "Checkpoint.save": (
+        "keras",
+        lambda m, p: _checkpoint_of(m).save(os.path.join(p, "ckpt")),
+        _restored_checkpoint,
+    ),
+    "Checkpoint.write": (
+        "keras",
+        lambda m, p: _checkpoint_of(m).write(os.path.join(p, "ckpt")),
+        lambda m, p: (_checkpoint_of(m).read(p), m.get_weights())[1],
+    ),
     "CheckpointManager.save": (
-        "keras", lambda m, p: [tf.train.CheckpointManager(_checkpoint_of(m), p, 1).save()
-                               for _ in range(2)][-1],
-        lambda m, p: _restored_checkpoint(m, tf.train.latest_checkpoint(os.path.dirname(p)))),
-    "tf.saved_model.save": ("keras", lambda m, p: (tf.saved_model.save(m, p), p)[1],
-                            lambda m, p: _saved_model_arrays(p)),
-    "keras.Model.save": ("keras", lambda m, p: (m.save(p + ".keras"), p + ".keras")[1],
-                         lambda m, p: keras.models.load_model(p).get_weights()),
+        "keras",
+        lambda m, p: [tf.train.CheckpointManager(_checkpoint_of(m), p, 1).save() for _ in range(2)][
+            -1
+        ],
+        lambda m, p: _restored_checkpoint(m, tf.train.latest_checkpoint(os.path.dirname(p))),
+    ),
+    "tf.saved_model.save": (
+        "keras",
+        lambda m, p: (tf.saved_model.save(m, p), p)[1],
+        lambda m, p: _saved_model_arrays(p),
+    ),
+    "keras.Model.save": (
+        "keras",
+        lambda m, p: (m.save(p + ".keras"), p + ".keras")[1],
+        lambda m, p: keras.models.load_model(p).get_weights(),
+    ),
     "keras.Model.save_weights": (
-        "keras", lambda m, p: (m.save_weights(p + ".weights.h5"), p + ".weights.h5")[1],
-        lambda m, p: (m.load_weights(p), m.get_weights())[1]),
-    "keras.Model.export": ("keras", lambda m, p: (m.export(p, verbose=False), p)[1],
-                           lambda m, p: _saved_model_arrays(p)),
-    "tf_keras.Model.save(SavedModel)": ("tf_keras", lambda m, p: (m.save(p), p)[1],
-                                        lambda m, p: tf_keras.models.load_model(p).get_weights()),
-    "tf_keras.Model.save(.h5)": ("tf_keras", lambda m, p: (m.save(p + ".h5"), p + ".h5")[1],
-                                 lambda m, p: tf_keras.models.load_model(p).get_weights()),
+        "keras",
+        lambda m, p: (m.save_weights(p + ".weights.h5"), p + ".weights.h5")[1],
+        lambda m, p: (m.load_weights(p), m.get_weights())[1],
+    ),
+    "keras.Model.export": (
+        "keras",
+        lambda m, p: (m.export(p, verbose=False), p)[1],
+        lambda m, p: _saved_model_arrays(p),
+    ),
+    "tf_keras.Model.save(SavedModel)": (
+        "tf_keras",
+        lambda m, p: (m.save(p), p)[1],
+        lambda m, p: tf_keras.models.load_model(p).get_weights(),
+    ),
+    "tf_keras.Model.save(.h5)": (
+        "tf_keras",
+        lambda m, p: (m.save(p + ".h5"), p + ".h5")[1],
+        lambda m, p: tf_keras.models.load_model(p).get_weights(),
+    ),
     "tf_keras.Model.save(.keras)": (
-        "tf_keras", lambda m, p: (m.save(p + ".keras"), p + ".keras")[1],
-        lambda m, p: tf_keras.models.load_model(p).get_weights()),
+        "tf_keras",
+        lambda m, p: (m.save(p + ".keras"), p + ".keras")[1],
+        lambda m, p: tf_keras.models.load_model(p).get_weights(),
+    ),
     "tf_keras.Model.save_weights(tf)": (
-        "tf_keras", lambda m, p: (m.save_weights(p), p)[1],
-        lambda m, p: (m.load_weights(p), m.get_weights())[1]),
+        "tf_keras",
+        lambda m, p: (m.save_weights(p), p)[1],
+        lambda m, p: (m.load_weights(p), m.get_weights())[1],
+    ),
     "tf_keras.Model.save_weights(.h5)": (
-        "tf_keras", lambda m, p: (m.save_weights(p + ".h5"), p + ".h5")[1],
-        lambda m, p: (m.load_weights(p), m.get_weights())[1]),
+        "tf_keras",
+        lambda m, p: (m.save_weights(p + ".h5"), p + ".h5")[1],
+        lambda m, p: (m.load_weights(p), m.get_weights())[1],
+    ),
 }
 
 
@@ -99,13 +132,19 @@ def _saved_model_arrays(path):
     """The arrays of a SavedModel (it loads: served by ``tf.saved_model.load``)."""
     assert tf.saved_model.load(path) is not None
     reader = tf.train.load_checkpoint(os.path.join(path, "variables", "variables"))
-    return [reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
-            if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")]
+    return [
+        reader.get_tensor(name)
+        for name in reader.get_variable_to_shape_map()
+        if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")
+    ]
 
 
 def _files_under(directory):
-    return sorted(os.path.relpath(os.path.join(d, f), directory)
-                  for d, _, files in os.walk(directory) for f in files)
+    return sorted(
+        os.path.relpath(os.path.join(d, f), directory)
+        for d, _, files in os.walk(directory)
+        for f in files
+    )
 
 
 @pytest.mark.parametrize("api", list(SAVES))
@@ -118,8 +157,9 @@ def test_a_save_on_every_rank_lands_once_and_loads_everywhere(models, strategy, 
     before = written_bytes()
     path = save(model, os.path.join(directory, "saved"))
     wrote = written_bytes() - before
-    assert_same_on_all_ranks(np.frombuffer(os.fspath(path).encode().ljust(512), np.uint8),
-                             "returned path")
+    assert_same_on_all_ranks(
+        np.frombuffer(os.fspath(path).encode().ljust(512), np.uint8), "returned path"
+    )
     # Complete and visible on every rank as soon as the call returned.
     loaded = load(model, path)
     if api.startswith(("tf.saved_model", "keras.Model.export")):  # named, not ordered
@@ -140,6 +180,7 @@ def test_a_save_on_every_rank_lands_once_and_loads_everywhere(models, strategy, 
         assert wrote >= artifact_bytes * 9 // 10, (wrote, artifact_bytes)
     if RANK == 0:
         import shutil
+
         shutil.rmtree(directory)
     WORLD.Barrier()
 
@@ -156,8 +197,9 @@ def test_loads_inside_the_scope_on_every_rank(models, strategy, shared_dir):
         _checkpoint_of(fresh).read(os.path.join(shared_dir, "ckpt", "ckpt"))
         served = tf.saved_model.load(os.path.join(shared_dir, "sm"))
         tfk = tf_keras.models.load_model(os.path.join(shared_dir, "tfk"))
-    for got, want in zip(loaded.get_weights() + fresh.get_weights(),
-                         model.get_weights() + model.get_weights()):
+    for got, want in zip(
+        loaded.get_weights() + fresh.get_weights(), model.get_weights() + model.get_weights()
+    ):
         np.testing.assert_array_equal(got, want)
     for got, want in zip(tfk.get_weights(), models["tf_keras"].get_weights()):
         np.testing.assert_array_equal(got, want)
@@ -169,8 +211,11 @@ def test_saving_an_untrained_tf_keras_model_keeps_its_metrics_global(strategy, s
     trained: they must be the strategy's (summed over ranks), not each rank's."""
     with strategy.scope():
         model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
-        model.compile(optimizer="sgd", metrics=["accuracy"],
-                      loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer="sgd",
+            metrics=["accuracy"],
+            loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     model.save(os.path.join(shared_dir, "untrained"))
     x = np.linspace(-1, 1, 6 * BATCH, dtype=np.float32).reshape(2 * BATCH, 3)
     y = (np.arange(2 * BATCH) * 7 % 3 == 0).astype(np.int64)  # ranks see different labels
@@ -185,8 +230,9 @@ def test_an_asynchronous_checkpoint_is_written_synchronously(models, shared_dir)
     prefix = os.path.join(shared_dir, "async", "ckpt")
     path = _checkpoint_of(models["keras"]).save(prefix, options=options)
     assert path == prefix + "-1" and os.path.exists(path + ".index")  # complete on return
-    manager = tf.train.CheckpointManager(_checkpoint_of(models["keras"]),
-                                         os.path.join(shared_dir, "async-manager"), 1)
+    manager = tf.train.CheckpointManager(
+        _checkpoint_of(models["keras"]), os.path.join(shared_dir, "async-manager"), 1
+    )
     path = manager.save(options=options)
     assert os.path.exists(path + ".index")
 
@@ -196,8 +242,9 @@ def test_summary_writers_write_one_event_file(strategy, shared_dir):
     writer = tf.summary.create_file_writer(logdir)
     with writer.as_default():
         for step in range(3):
-            tf.summary.scalar("loss", strategy.reduce("SUM", tf.constant(1.0), axis=None),
-                              step=step)
+            tf.summary.scalar(
+                "loss", strategy.reduce("SUM", tf.constant(1.0), axis=None), step=step
+            )
     writer.close()
     events = os.listdir(logdir)
     assert len(events) == 1, events
@@ -212,12 +259,21 @@ def test_keras_callbacks_write_once_and_are_complete_when_fit_returns(strategy, 
     y = np.zeros((2 * BATCH, 2), np.float32)
     for attempt in range(5):
         directory = os.path.join(shared_dir, f"fit{attempt}")
-        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[
-            keras.callbacks.ModelCheckpoint(os.path.join(directory, "best.weights.h5"),
-                                            save_weights_only=True),
-            keras.callbacks.BackupAndRestore(os.path.join(directory, "backup")),
-            keras.callbacks.CSVLogger(os.path.join(directory, "log.csv")),
-            keras.callbacks.TensorBoard(os.path.join(directory, "tb"))])
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=2,
+            verbose=0,
+            callbacks=[
+                keras.callbacks.ModelCheckpoint(
+                    os.path.join(directory, "best.weights.h5"), save_weights_only=True
+                ),
+                keras.callbacks.BackupAndRestore(os.path.join(directory, "backup")),
+                keras.callbacks.CSVLogger(os.path.join(directory, "log.csv")),
+                keras.callbacks.TensorBoard(os.path.join(directory, "tb")),
+            ],
+        )
         model.load_weights(os.path.join(directory, "best.weights.h5"))  # right after fit
         with open(os.path.join(directory, "log.csv")) as f:
             assert len(f.read().splitlines()) == 3  # header + 2 epochs, on every rank
@@ -250,8 +306,9 @@ def test_rank0_saving_alone_still_works(models, strategy, shared_dir):
     # The others go on to their next collective and meet rank 0 there.
     assert float(strategy.reduce("SUM", tf.constant(1.0), axis=None)) == SIZE
     assert os.path.exists(path)
-    np.testing.assert_array_equal(keras.models.load_model(path).get_weights()[0],
-                                  model.get_weights()[0])
+    np.testing.assert_array_equal(
+        keras.models.load_model(path).get_weights()[0], model.get_weights()[0]
+    )
 
 
 def test_ranks_saving_the_same_path_without_the_others_do_not_race(models, strategy, shared_dir):
@@ -272,8 +329,11 @@ def test_rank0_saving_a_metric_alone_fails_on_every_rank(strategy, shared_dir):
     if SIZE == 1:
         pytest.skip("needs other ranks")
     with strategy.scope():
-        total = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
-                            aggregation=tf.VariableAggregation.SUM)
+        total = tf.Variable(
+            0.0,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+        )
     strategy.run(lambda: total.assign_add(1.0))
     with pytest.raises(Exception) as raised:
         if RANK == 0:
@@ -298,8 +358,10 @@ def test_a_failed_write_raises_on_every_rank(models, shared_dir):
         assert isinstance(raised.value, mpi_strategy.MPIStrategyError)
         assert "failed on another rank" in str(raised.value) and "rank 0" in str(raised.value)
     # ... and can go on.
-    assert float(models["keras"].distribute_strategy.reduce(
-        "SUM", tf.constant(1.0), axis=None)) == SIZE
+    assert (
+        float(models["keras"].distribute_strategy.reduce("SUM", tf.constant(1.0), axis=None))
+        == SIZE
+    )
 
 
 def test_only_chief_writes_is_deprecated_and_yields_the_path(shared_dir):

@@ -21,7 +21,8 @@ from mpi_strategy._src.features.saving import write_point
 SAVES = {
     "Checkpoint.save": lambda v, path: tf.train.Checkpoint(v=v).save(path),
     "CheckpointManager.save": lambda v, path: tf.train.CheckpointManager(
-        tf.train.Checkpoint(v=v), path, 1).save(),
+        tf.train.Checkpoint(v=v), path, 1
+    ).save(),
     "tf.saved_model.save": lambda v, path: tf.saved_model.save(_module_of(v), path),
     "summary writer": lambda v, path: _write_summary(v, path),
 }
@@ -46,8 +47,9 @@ def meetings(monkeypatch):
 
     def agree(self, kind, *args, **kwargs):
         met.append(kind.name)
-        raise AssertionError(f"an MPI meeting ({kind.name}) in a save that is not "
-                             "mpi_strategy's work")
+        raise AssertionError(
+            f"an MPI meeting ({kind.name}) in a save that is not mpi_strategy's work"
+        )
 
     monkeypatch.setattr(Rendezvous, "agree", agree)
     return met
@@ -55,14 +57,20 @@ def meetings(monkeypatch):
 
 @pytest.mark.parametrize("other", ["no strategy", "MirroredStrategy"])
 @pytest.mark.parametrize("api", list(SAVES))
-def test_a_save_that_is_not_ours_writes_alone_on_every_rank(strategy, tmp_path, meetings,
-                                                            other, api):
+def test_a_save_that_is_not_ours_writes_alone_on_every_rank(
+    strategy, tmp_path, meetings, other, api
+):
     del strategy  # held by this process: a multi-rank MPIStrategy when SIZE > 1
     if api == "summary writer" and other == "no strategy" and SIZE > 1:
-        pytest.skip("a writer that names no object, outside any scope, belongs to the "
-                    "newest MPIStrategy over all ranks (docs/concepts.md)")
-    scope = (tf.distribute.MirroredStrategy(["/cpu:0"]).scope() if other != "no strategy"
-             else contextlib.nullcontext())
+        pytest.skip(
+            "a writer that names no object, outside any scope, belongs to the "
+            "newest MPIStrategy over all ranks (docs/concepts.md)"
+        )
+    scope = (
+        tf.distribute.MirroredStrategy(["/cpu:0"]).scope()
+        if other != "no strategy"
+        else contextlib.nullcontext()
+    )
     with scope:
         variable = tf.Variable(tf.fill([1000], float(RANK)))
         SAVES[api](variable, str(tmp_path / "saved"))
@@ -80,8 +88,7 @@ def test_a_keras_model_of_no_strategy_saves_alone(strategy, tmp_path, meetings):
     assert meetings == [] and sorted(os.listdir(tmp_path)) == ["model.keras", "model.weights.h5"]
 
 
-def test_rank0_saving_alone_while_the_others_wait_for_its_own_message(strategy, tmp_path,
-                                                                      meetings):
+def test_rank0_saving_alone_while_the_others_wait_for_its_own_message(strategy, tmp_path, meetings):
     """The program's own MPI calls around a save that is not this library's
     work: rank 0 saves, then tells the others (a hidden collective in the save
     would leave rank 0 waiting for them, and them for its message)."""
@@ -111,13 +118,13 @@ def test_this_librarys_save_outside_its_scope_still_meets(strategy, shared_dir):
     checkpoint = tf.train.Checkpoint(v=variable)
     expected = strategy if SIZE > 1 else None
     assert write_point.ordered_comm_for(checkpoint) is (
-        expected.extended.ordered_comm if expected else None)
+        expected.extended.ordered_comm if expected else None
+    )
     path = checkpoint.save(os.path.join(shared_dir, "ours", "ckpt"))
     assert os.path.exists(path + ".index")
 
 
-def test_a_keyboard_interrupt_in_a_save_leads_into_no_collective(strategy, shared_dir,
-                                                                  monkeypatch):
+def test_a_keyboard_interrupt_in_a_save_leads_into_no_collective(strategy, shared_dir, monkeypatch):
     """Ctrl-C during a save ends the job like any uncaught exception (the
     excepthook): the ranks do not meet after the save first."""
     met_after = []
@@ -130,6 +137,7 @@ def test_a_keyboard_interrupt_in_a_save_leads_into_no_collective(strategy, share
         variable = tf.Variable(tf.ones([10]))
     checkpoint = tf.train.Checkpoint(v=variable)
     from tensorflow.python.checkpoint import checkpoint as checkpoint_lib
+
     monkeypatch.setattr(checkpoint_lib.TrackableSaver, "save", interrupted)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.write(os.path.join(shared_dir, "interrupted", "ckpt"))

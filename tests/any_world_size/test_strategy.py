@@ -11,12 +11,19 @@ import pytest
 import tensorflow as tf
 
 import mpi_strategy
-from mpi_testing import (LOCAL_DEVICES, NUM_REPLICAS, RANK, SIZE, WORLD,
-                         assert_same_on_all_ranks, local_devices,
-                         mpi_strategy_under_test, reference_strategy)
+from mpi_testing import (
+    LOCAL_DEVICES,
+    NUM_REPLICAS,
+    RANK,
+    SIZE,
+    WORLD,
+    assert_same_on_all_ranks,
+    local_devices,
+    mpi_strategy_under_test,
+    reference_strategy,
+)
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64]
-
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +65,12 @@ def test_cluster_resolver_and_chief(strategy):
 
 def test_cluster_resolver_counts_accelerators_only():
     # TensorFlow's convention (ClusterResolver.num_accelerators): GPUs/TPUs, never CPUs.
-    for devices, expected in [({"CPU": 2}, {}), ({"GPU": 2}, {"GPU": 2}),
-                              ({"GPU": 1, "CPU": 1}, {"GPU": 1}), (None, {})]:
+    for devices, expected in [
+        ({"CPU": 2}, {}),
+        ({"GPU": 2}, {"GPU": 2}),
+        ({"GPU": 1, "CPU": 1}, {"GPU": 1}),
+        (None, {}),
+    ]:
         resolver = mpi_strategy.MPIClusterResolver(WORLD, devices)
         assert resolver.num_accelerators() == expected, devices
         assert resolver.num_accelerators("worker", RANK) == expected, devices
@@ -72,10 +83,13 @@ def test_reduce_sum_and_mean_every_dtype(strategy, mirrored, dtype, mode):
     def step(s):
         def value():
             return tf.cast(tf.fill([2, 3], replica_id() + 1), dtype)
+
         per_replica = s.run(value)
-        return (s.reduce("SUM", per_replica, axis=None),
-                s.reduce("MEAN", per_replica, axis=None),
-                s.reduce("SUM", per_replica, axis=0))
+        return (
+            s.reduce("SUM", per_replica, axis=None),
+            s.reduce("MEAN", per_replica, axis=None),
+            s.reduce("SUM", per_replica, axis=0),
+        )
 
     got = in_mode(lambda: step(strategy), mode)()
     want = in_mode(lambda: step(mirrored), mode)()
@@ -92,7 +106,9 @@ def test_reduce_sum_and_mean_every_dtype(strategy, mirrored, dtype, mode):
 def test_reduce_mean_along_axis_with_ragged_replicas(strategy, mode):
     # Replica r holds r + 1 rows; MEAN over axis 0 weights every row equally.
     def step():
-        per_replica = strategy.run(lambda: tf.cast(tf.fill([replica_id() + 1, 2], replica_id()), tf.float32))
+        per_replica = strategy.run(
+            lambda: tf.cast(tf.fill([replica_id() + 1, 2], replica_id()), tf.float32)
+        )
         return strategy.reduce("MEAN", per_replica, axis=0)
 
     rows = np.concatenate([np.full([r + 1, 2], r, np.float32) for r in range(NUM_REPLICAS)])
@@ -121,8 +137,12 @@ def test_nested_structures_and_replica_all_reduce(strategy, mode):
 def test_strategy_reduce_of_a_nested_batch(strategy, mirrored, mode):
     # Keras reduces whole (x, y) batches this way when it builds a model.
     def step(s):
-        per_replica = s.run(lambda: (tf.fill([2], tf.cast(replica_id(), tf.float32)),
-                                     {"y": tf.cast(replica_id(), tf.int64) + 1}))
+        per_replica = s.run(
+            lambda: (
+                tf.fill([2], tf.cast(replica_id(), tf.float32)),
+                {"y": tf.cast(replica_id(), tf.int64) + 1},
+            )
+        )
         return s.reduce("MEAN", per_replica, axis=None), s.reduce("SUM", per_replica, axis=None)
 
     got = in_mode(lambda: step(strategy), mode)()
@@ -150,7 +170,8 @@ def test_replica_all_gather_and_strategy_gather(strategy, mode):
     for local in in_replica:
         np.testing.assert_array_equal(local.numpy(), np.repeat(np.arange(n), 2)[None, :])
     np.testing.assert_array_equal(
-        gathered.numpy(), np.concatenate([np.full([r + 1, 2], r) for r in range(n)]))
+        gathered.numpy(), np.concatenate([np.full([r + 1, 2], r) for r in range(n)])
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -167,10 +188,15 @@ def test_merge_call_reduce_to_batch_reduce_to_broadcast_to(strategy, mode):
 
     def step():
         total, doubled, mean = strategy.run(fn)
-        from_root = strategy.extended.broadcast_to(tf.constant(float(RANK + 5)),
-                                                   destinations=local_devices()[0])
-        return (strategy.experimental_local_results(total),
-                strategy.experimental_local_results(doubled), mean, from_root)
+        from_root = strategy.extended.broadcast_to(
+            tf.constant(float(RANK + 5)), destinations=local_devices()[0]
+        )
+        return (
+            strategy.experimental_local_results(total),
+            strategy.experimental_local_results(doubled),
+            mean,
+            from_root,
+        )
 
     total, doubled, mean, from_root = in_mode(step, mode)()
     n = NUM_REPLICAS
@@ -186,8 +212,10 @@ def test_indexed_slices_reduce_like_mirrored(strategy, mirrored, mode):
         def fn():
             r = replica_id()
             rows = tf.cast(tf.fill([2, 3], r + 1), tf.float32)
-            return tf.IndexedSlices(rows, indices=tf.stack([r % 4, 5]),
-                                    dense_shape=tf.constant([6, 3], tf.int64))
+            return tf.IndexedSlices(
+                rows, indices=tf.stack([r % 4, 5]), dense_shape=tf.constant([6, 3], tf.int64)
+            )
+
         per_replica = s.run(fn)
         results = []
         for op in ("SUM", "MEAN"):
@@ -203,24 +231,27 @@ def test_indexed_slices_reduce_like_mirrored(strategy, mirrored, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtypes", [("float32", "float32"), ("float32", "float64")],
-                         ids=["one-dtype", "mixed-dtypes"])
+@pytest.mark.parametrize(
+    "dtypes", [("float32", "float32"), ("float32", "float64")], ids=["one-dtype", "mixed-dtypes"]
+)
 def test_many_indexed_slices_batch_reduce_like_mirrored(strategy, mirrored, mode, dtypes):
     """Several tables of different widths, index dtypes and (per replica)
     row counts in one batch_reduce: each comes back whole, in replica order."""
+
     def reduce_with(s):
         def fn():
             r = replica_id()
             tables = []
-            for t, (width, rows, dtype) in enumerate([(1, 2, dtypes[0]), (3, 1, dtypes[1]),
-                                                      (2, None, dtypes[0])]):
+            for t, (width, rows, dtype) in enumerate(
+                [(1, 2, dtypes[0]), (3, 1, dtypes[1]), (2, None, dtypes[0])]
+            ):
                 n = r + 1 if rows is None else rows  # ragged: replica r has r + 1 rows
                 values = tf.cast(tf.fill([n, width], 10 * t + r + 1), dtype)
                 index_dtype = tf.int32 if t == 1 else tf.int64
                 indices = tf.cast(tf.range(n) + r, index_dtype)
-                tables.append(tf.IndexedSlices(values, indices, tf.constant([40, width],
-                                                                            tf.int64)))
+                tables.append(tf.IndexedSlices(values, indices, tf.constant([40, width], tf.int64)))
             return tables
+
         per_replica = s.run(fn)
         reduced = s.extended.batch_reduce_to("SUM", [(t, "/device:CPU:0") for t in per_replica])
         return [tf.convert_to_tensor(t) for t in reduced]
@@ -233,14 +264,15 @@ def test_many_indexed_slices_batch_reduce_like_mirrored(strategy, mirrored, mode
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_sparse_and_a_few_kb_of_dense_values_reduce_in_one_collective(strategy, mirrored,
-                                                                        mode):
+def test_sparse_and_a_few_kb_of_dense_values_reduce_in_one_collective(strategy, mirrored, mode):
     def reduce_with(s):
         def fn():
             r = tf.cast(replica_id(), tf.float32)
-            sparse = tf.IndexedSlices(tf.fill([2, 3], r + 1), tf.constant([1, 4], tf.int64),
-                                      tf.constant([6, 3], tf.int64))
+            sparse = tf.IndexedSlices(
+                tf.fill([2, 3], r + 1), tf.constant([1, 4], tf.int64), tf.constant([6, 3], tf.int64)
+            )
             return [tf.fill([5], r * 0.1 + 1.0), sparse, tf.fill([2, 2], r + 3.0)]
+
         per_replica = s.run(fn)
         reduced = s.extended.batch_reduce_to("SUM", [(t, "/device:CPU:0") for t in per_replica])
         return [tf.convert_to_tensor(t) for t in reduced]
@@ -270,6 +302,7 @@ def test_keras_embedding_gradient_is_sparse_and_summed(strategy):
             grad = tape.gradient(loss, table)
             assert isinstance(grad, tf.IndexedSlices)
             return tf.distribute.get_replica_context().all_reduce("SUM", grad)
+
         return strategy.experimental_local_results(strategy.run(fn))[0]
 
     dense = tf.convert_to_tensor(step()).numpy()
@@ -298,17 +331,21 @@ def test_variables_start_from_rank0_values(strategy):
         assert not np.allclose(layer.kernel.numpy(), 0)
 
 
-@pytest.mark.parametrize("aggregation,expected", [
-    (tf.VariableAggregation.SUM, lambda n: n * (n + 1) / 2),
-    (tf.VariableAggregation.MEAN, lambda n: (n + 1) / 2),
-    # As in MultiWorkerMirroredStrategy, reading gives this rank's first
-    # replica (no collective, so rank-0-only checkpoint writes cannot hang).
-    (tf.VariableAggregation.ONLY_FIRST_REPLICA, lambda n: RANK * LOCAL_DEVICES + 1.0),
-])
+@pytest.mark.parametrize(
+    "aggregation,expected",
+    [
+        (tf.VariableAggregation.SUM, lambda n: n * (n + 1) / 2),
+        (tf.VariableAggregation.MEAN, lambda n: (n + 1) / 2),
+        # As in MultiWorkerMirroredStrategy, reading gives this rank's first
+        # replica (no collective, so rank-0-only checkpoint writes cannot hang).
+        (tf.VariableAggregation.ONLY_FIRST_REPLICA, lambda n: RANK * LOCAL_DEVICES + 1.0),
+    ],
+)
 def test_sync_on_read_variables_aggregate_globally(strategy, aggregation, expected):
     with strategy.scope():
-        v = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
-                        aggregation=aggregation)
+        v = tf.Variable(
+            0.0, synchronization=tf.VariableSynchronization.ON_READ, aggregation=aggregation
+        )
 
     @tf.function
     def step():
@@ -359,8 +396,9 @@ def test_ranks_that_assign_different_constants_raise_at_the_next_collective():
     with strategy.scope():
         v = tf.Variable(0.0, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
     strategy.run(tf.function(lambda: v.assign(v + float(RANK))))  # a per-rank constant
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match="assigned different constants before it"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match="assigned different constants before it"
+    ):
         strategy.reduce("SUM", tf.constant(1.0), axis=None)
     # The ranks agree again at the next collective.
     assert float(strategy.reduce("SUM", tf.constant(1.0), axis=None)) == SIZE
@@ -401,8 +439,9 @@ def test_distribute_dataset_splits_like_mirrored(strategy, mirrored, num_element
         # (rank k's replica l gets piece l * size + k): the same examples per
         # step, in another replica order.
         everyone = WORLD.allgather(np.concatenate(g))
-        np.testing.assert_array_equal(np.sort(np.concatenate(everyone)),
-                                      np.sort(np.concatenate(w)), err_msg=f"step {step}")
+        np.testing.assert_array_equal(
+            np.sort(np.concatenate(everyone)), np.sort(np.concatenate(w)), err_msg=f"step {step}"
+        )
 
 
 def test_uneven_shards_end_together(strategy):
@@ -427,7 +466,8 @@ def test_uneven_shards_end_together(strategy):
 
 def test_distribute_values_from_function_global_ids(strategy):
     values = strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.constant([ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync]))
+        lambda ctx: tf.constant([ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync])
+    )
     local = [v.numpy().tolist() for v in strategy.experimental_local_results(values)]
     assert local == [[RANK * LOCAL_DEVICES + i, NUM_REPLICAS] for i in range(LOCAL_DEVICES)]
 

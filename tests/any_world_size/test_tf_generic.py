@@ -22,7 +22,6 @@ def _strategy():
 
 
 class MPIStrategyGenericTest(strategy_test_lib.DistributionTestBase):
-
     def test_minimize_loss_eager(self):
         self._test_minimize_loss_eager(_strategy())
 
@@ -47,5 +46,7 @@ class MPIStrategyGenericTest(strategy_test_lib.DistributionTestBase):
                 lambda: tf.data.Dataset.range(elements),
                 expected_num_replicas_in_sync=strategy.num_replicas_in_sync,
                 expected_num_input_pipelines=resolver.num_workers,
-                expected_input_pipeline_id=resolver.task_id),
-            expected_values=expected)
+                expected_input_pipeline_id=resolver.task_id,
+            ),
+            expected_values=expected,
+        )

@@ -17,8 +17,11 @@ from mpi_strategy._src.distribute.ops import OrderedComm
 
 
 def _collectives(mpi):
-    return [mpi.allreduce_sum(tf.ones([1000])), mpi.allgather(tf.ones([RANK + 1, 2])),
-            mpi.broadcast(tf.ones([3]))]
+    return [
+        mpi.allreduce_sum(tf.ones([1000])),
+        mpi.allgather(tf.ones([RANK + 1, 2])),
+        mpi.broadcast(tf.ones([3])),
+    ]
 
 
 def test_every_collective_is_one_event_with_its_wait_and_transfer(monkeypatch, shared_dir):
@@ -73,8 +76,10 @@ def test_off_by_default_the_collectives_are_not_wrapped(monkeypatch):
 def test_a_file_cut_short_by_a_crash_still_reads(tmp_path):
     path = str(tmp_path / "cut.json")
     with open(path, "w") as f:
-        f.write('[\n{"name": "a", "ph": "X", "ts": 1, "dur": 2, "pid": 0, "tid": 0},\n'
-                '{"name": "b", "ph": "X", "ts": 3, "dur": 1, "pid": 0, "tid": 0}')
+        f.write(
+            '[\n{"name": "a", "ph": "X", "ts": 1, "dur": 2, "pid": 0, "tid": 0},\n'
+            '{"name": "b", "ph": "X", "ts": 3, "dur": 1, "pid": 0, "tid": 0}'
+        )
     assert [e["name"] for e in timeline.read_events(path)] == ["a", "b"]
 
 
@@ -94,6 +99,8 @@ def test_files_are_named_by_the_rank_in_comm_world(monkeypatch, shared_dir):
     WORLD.Barrier()
     events = timeline.read_events(timeline.rank_path(path, RANK))
     assert [e["args"]["name"] for e in events if e["name"] == "process_name"] == [
-        f"rank {RANK} ({socket.gethostname()})"]
+        f"rank {RANK} ({socket.gethostname()})"
+    ]
     assert sorted(os.listdir(shared_dir)) == sorted(
-        os.path.basename(timeline.rank_path(path, r)) for r in range(SIZE))
+        os.path.basename(timeline.rank_path(path, r)) for r in range(SIZE)
+    )

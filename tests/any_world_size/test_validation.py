@@ -31,11 +31,15 @@ def test_check_same_on_all_ranks_raises_everywhere_on_disagreement():
 def test_a_launcher_that_does_not_match_mpi_is_explained(variable, monkeypatch):
     """A launcher started 4 tasks but each one is a world of 1: never train silently alone."""
     import mpi_strategy
+
     if SIZE > 1:
         pytest.skip("only a world of one process can be a mismatched launch")
     monkeypatch.setenv(variable, "4")
-    with pytest.raises(MPIStrategyError, match=rf"one of 4 tasks started by .*\({variable}=4\), "
-                                               r"but MPI sees a world of 1 process"):
+    with pytest.raises(
+        MPIStrategyError,
+        match=rf"one of 4 tasks started by .*\({variable}=4\), "
+        r"but MPI sees a world of 1 process",
+    ):
         mpi_strategy.MPIStrategy()
     # comm=COMM_SELF says "independent runs on purpose".
     mpi_strategy.MPIStrategy(comm=MPI.COMM_SELF)

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.single_process
 
 def test_the_import_contracts_hold():
     """The layers (.importlinter): a new upward import fails here."""
-    lint = shutil.which("lint-imports") or os.path.join(os.path.dirname(sys.executable),
-                                                        "lint-imports")
+    lint = shutil.which("lint-imports") or os.path.join(
+        os.path.dirname(sys.executable), "lint-imports"
+    )
     result = subprocess.run([lint, ".importlinter"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
     assert "0 broken" in result.stdout
@@ -44,15 +45,21 @@ def test_no_module_of_the_package_takes_part_in_an_import_cycle():
     assert not cycles, "\n".join(cycles)
 
 
-@pytest.mark.parametrize("cls, base", [
-    (MPIExtended, _tf_internal.MirroredExtended),
-    (MPICrossDeviceOps, tf.distribute.CrossDeviceOps),
-    (MPIStrategy, tf.distribute.Strategy),
-])
+@pytest.mark.parametrize(
+    "cls, base",
+    [
+        (MPIExtended, _tf_internal.MirroredExtended),
+        (MPICrossDeviceOps, tf.distribute.CrossDeviceOps),
+        (MPIStrategy, tf.distribute.Strategy),
+    ],
+)
 def test_every_overridden_private_hook_is_listed_in_the_compat_boundary(cls, base):
     listed = {name for names in _tf_internal.OVERRIDDEN_HOOKS.values() for name in names}
-    overridden = {name for name in vars(cls) if name.startswith("_")
-                  and not name.startswith("__") and hasattr(base, name)}
+    overridden = {
+        name
+        for name in vars(cls)
+        if name.startswith("_") and not name.startswith("__") and hasattr(base, name)
+    }
     assert overridden <= listed, f"not in _tf_internal.OVERRIDDEN_HOOKS: {overridden - listed}"
 
 
@@ -70,6 +77,7 @@ def test_every_process_wide_effect_is_in_the_docs_table():
 
 def test_install_replaces_each_listed_call_once_and_uninstall_puts_every_original_back():
     from tensorflow.python.checkpoint import checkpoint
+
     installed = effects.installed()
     assert "tensorflow.python.checkpoint.checkpoint.Checkpoint._write" in installed
     assert len(installed) == len(set(installed))

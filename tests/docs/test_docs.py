@@ -60,8 +60,10 @@ from testing.launch import is_open_mpi, run_mpiexec
 pytestmark = pytest.mark.single_process  # launches processes; MPI-independent otherwise
 
 PAGES = ["README.md"] + sorted(
-    os.path.join("docs", name) for name in os.listdir(os.path.join(REPO, "docs"))
-    if name.endswith(".md"))
+    os.path.join("docs", name)
+    for name in os.listdir(os.path.join(REPO, "docs"))
+    if name.endswith(".md")
+)
 PYTHON_LANGS = {"python", "py"}
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 # Scratch directories of shell blocks see these repository directories.
@@ -70,8 +72,11 @@ SHELL_TIMEOUT = 240
 FAILED = "DOCBLOCK FAILED"  # printed by the runner, tests/programs/doc_blocks.py
 RUNNER = program("doc_blocks.py")
 # Blocks import mpi_strategy from this checkout, as after `pip install -e .`.
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-           PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+ENV = dict(
+    os.environ,
+    TF_CPP_MIN_LOG_LEVEL="2",
+    PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+)
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)[^`]*$")
 
@@ -102,10 +107,17 @@ class Block:
             return "error: use one of run:, check:, file:"
         if check is not None:
             if check in ("ci", "launcher"):
-                return check if self.lang in SHELL_LANGS else f"error: check: {check} is for shell blocks"
-            if check.startswith("syntax:") and check[len("syntax:"):].strip():
-                return "syntax" if self.lang in PYTHON_LANGS | SHELL_LANGS else \
-                    "error: check: syntax is for python and shell blocks"
+                return (
+                    check
+                    if self.lang in SHELL_LANGS
+                    else f"error: check: {check} is for shell blocks"
+                )
+            if check.startswith("syntax:") and check[len("syntax:") :].strip():
+                return (
+                    "syntax"
+                    if self.lang in PYTHON_LANGS | SHELL_LANGS
+                    else "error: check: syntax is for python and shell blocks"
+                )
             return f"error: unknown check {check!r} (syntax needs a reason: 'syntax: why')"
         if file is not None:
             return "file" if re.fullmatch(r"[\w.-]+", file) else f"error: bad file name {file!r}"
@@ -137,8 +149,12 @@ def parse_page(page):
         j = i + 1
         while j < len(lines) and not close.match(lines[j]):
             j += 1
-        code = "\n".join(line[indent:] if line[:indent].strip() == "" else line
-                         for line in lines[i + 1:j]) + "\n"
+        code = (
+            "\n".join(
+                line[indent:] if line[:indent].strip() == "" else line for line in lines[i + 1 : j]
+            )
+            + "\n"
+        )
         blocks.append(Block(page, i + 2, m.group("info").lower(), code, _markers_above(lines, i)))
         i = j + 1
     return blocks
@@ -158,8 +174,8 @@ def _markers_above(lines, fence_index):
             start -= 1
         if start < 0:
             break
-        text = "\n".join(lines[start:k + 1])
-        body = text[text.index("<!--") + 4:text.rindex("-->")]
+        text = "\n".join(lines[start : k + 1])
+        body = text[text.index("<!--") + 4 : text.rindex("-->")]
         key, _, value = body.partition(":")
         if key.strip() == "setup":
             # The code keeps its line numbers, so tracebacks point into the page.
@@ -187,15 +203,19 @@ def _by_mode(mode):
 def test_every_block_has_a_check():
     blocks = all_blocks()
     assert blocks, "no code blocks found: is the parser broken?"
-    errors = [f"{b.where}: {b.mode[len('error: '):]}" for b in blocks if b.mode.startswith("error")]
+    errors = [
+        f"{b.where}: {b.mode[len('error: ') :]}" for b in blocks if b.mode.startswith("error")
+    ]
     for b in blocks:
         if b.mode == "file":
             name = b.marker("file")[0]
             users = [s for s in parse_page(b.page) if s.mode == "shell" and name in s.code]
             launchers = [s for s in parse_page(b.page) if s.mode == "launcher" and name in s.code]
             if not users and not launchers:
-                errors.append(f"{b.where}: file {name} is used by no run: shell / check: launcher "
-                              "block of the same page, so nothing checks it")
+                errors.append(
+                    f"{b.where}: file {name} is used by no run: shell / check: launcher "
+                    "block of the same page, so nothing checks it"
+                )
         if b.setups() and b.mode not in ("python", "mpiexec"):
             errors.append(f"{b.where}: setup: only applies to python blocks that run")
     assert not errors, "code blocks without a working check:\n" + "\n".join(errors)
@@ -204,9 +224,24 @@ def test_every_block_has_a_check():
 def test_site_builds_strict(tmp_path):
     # --strict turns every warning (broken link or anchor, page missing from the
     # nav, a docstring mkdocstrings cannot render) into a failure.
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--clean",
-                          "-f", os.path.join(REPO, "mkdocs.yml"), "-d", str(tmp_path / "site")],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--clean",
+            "-f",
+            os.path.join(REPO, "mkdocs.yml"),
+            "-d",
+            str(tmp_path / "site"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert out.returncode == 0, f"mkdocs build --strict failed:\n{out.stdout}\n{out.stderr}"
     for page in PAGES:
         name = "readme" if page == "README.md" else os.path.splitext(os.path.basename(page))[0]
@@ -214,6 +249,7 @@ def test_site_builds_strict(tmp_path):
         assert site_page.exists(), f"{page} did not become {site_page}"
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     import mpi_strategy
+
     for name in mpi_strategy.__all__:
         assert f'id="mpi_strategy.{name}"' in api, f"docs/api.md does not document {name}"
 
@@ -221,9 +257,10 @@ def test_site_builds_strict(tmp_path):
 def _payload(tmp_path, mode):
     pages = {}
     for b in _by_mode(mode):
-        page = pages.setdefault(b.page, {
-            "page": b.page, "blocks": [],
-            "cwd": str(tmp_path / re.sub(r"\W", "_", b.page))})
+        page = pages.setdefault(
+            b.page,
+            {"page": b.page, "blocks": [], "cwd": str(tmp_path / re.sub(r"\W", "_", b.page))},
+        )
         page["blocks"].append({"line": b.line, "code": b.code, "setups": b.setups()})
     path = tmp_path / f"{mode}.json"
     path.write_text(json.dumps({"pages": list(pages.values())}))
@@ -235,7 +272,9 @@ def _explain(out):
     clean = re.sub(r"\[\d+\] ?", "", out)
     failed = [line for line in clean.splitlines() if line.startswith(FAILED)]
     started = [line for line in clean.splitlines() if line.startswith("DOCBLOCK START")]
-    head = "\n".join(failed) or (f"last block started: {started[-1].split()[-1]}" if started else "")
+    head = "\n".join(failed) or (
+        f"last block started: {started[-1].split()[-1]}" if started else ""
+    )
     return f"{head}\n--- output ---\n{clean[-12000:]}"
 
 
@@ -243,9 +282,15 @@ def test_python_blocks_run_in_one_process(tmp_path):
     payload, count = _payload(tmp_path, "python")
     if count == 0:
         pytest.skip("no single-process python blocks in the docs")
-    proc = subprocess.Popen([sys.executable, RUNNER, str(payload)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=REPO, env=ENV, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, RUNNER, str(payload)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -258,8 +303,13 @@ def test_python_blocks_run_in_one_process(tmp_path):
 def test_python_blocks_run_on_two_ranks(tmp_path):
     payload, count = _payload(tmp_path, "mpiexec")
     assert count > 0
-    code, out = run_mpiexec(2, [sys.executable, RUNNER, str(payload)],
-                            silence=300, cwd=REPO, env={"PYTHONPATH": ENV["PYTHONPATH"]})
+    code, out = run_mpiexec(
+        2,
+        [sys.executable, RUNNER, str(payload)],
+        silence=300,
+        cwd=REPO,
+        env={"PYTHONPATH": ENV["PYTHONPATH"]},
+    )
     assert code == 0, _explain(out)
 
 
@@ -280,9 +330,15 @@ def _scratch(tmp_path, page):
 
 def _run_bash(code, cwd, timeout=SHELL_TIMEOUT):
     env = dict(ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", code], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", "-euo", "pipefail", "-c", code],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -307,17 +363,26 @@ def test_shell_blocks_run(tmp_path):
 def _commands(code):
     """The commands of a shell block: comment lines dropped, continuations joined."""
     text = re.sub(r"\\\n\s*", " ", code)
-    return [line.strip() for line in text.splitlines()
-            if line.strip() and not line.strip().startswith("#")]
+    return [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]
 
 
 def test_ci_runs_the_ci_blocks():
     with open(os.path.join(REPO, ".ci", "run")) as f:
         ci = f.read()
-    missing = [f"{b.where}: {part.strip()}" for b in _by_mode("ci")
-               for cmd in _commands(b.code) for part in cmd.split("&&")
-               if part.strip() not in ci]
-    assert not missing, "commands marked check: ci that .ci/run does not run:\n" + "\n".join(missing)
+    missing = [
+        f"{b.where}: {part.strip()}"
+        for b in _by_mode("ci")
+        for cmd in _commands(b.code)
+        for part in cmd.split("&&")
+        if part.strip() not in ci
+    ]
+    assert not missing, "commands marked check: ci that .ci/run does not run:\n" + "\n".join(
+        missing
+    )
 
 
 def _localhost_hostfile(text):
@@ -344,9 +409,11 @@ def test_launcher_blocks_dry_run(tmp_path):
         for cmd in _commands(b.code):
             argv = cmd.split()
             if argv[0] != "mpiexec" or "python" not in argv:
-                failures.append(f"{b.where}: check: launcher lines must be `mpiexec ... python ...`: {cmd}")
+                failures.append(
+                    f"{b.where}: check: launcher lines must be `mpiexec ... python ...`: {cmd}"
+                )
                 continue
-            argv = argv[:argv.index("python")] + ["true"]
+            argv = argv[: argv.index("python")] + ["true"]
             for flag in ("-f", "-hostfile", "--hostfile", "-machinefile"):
                 if flag in argv:
                     name = argv[argv.index(flag) + 1]
@@ -360,7 +427,9 @@ def test_launcher_blocks_dry_run(tmp_path):
             else:
                 code, out = _run_bash(" ".join(argv), where, timeout=60)
                 if code != 0:
-                    failures.append(f"{FAILED} {b.where}: `{' '.join(argv)}` (dry run of `{cmd}`):\n{out}")
+                    failures.append(
+                        f"{FAILED} {b.where}: `{' '.join(argv)}` (dry run of `{cmd}`):\n{out}"
+                    )
     assert not failures, "\n\n".join(failures)
 
 
@@ -368,7 +437,7 @@ def test_syntax_only_blocks(tmp_path):
     """Blocks that cannot run on this machine: checked for syntax only, and listed."""
     failures = []
     for b in _by_mode("syntax"):
-        reason = b.marker("check")[0][len("syntax:"):].strip()
+        reason = b.marker("check")[0][len("syntax:") :].strip()
         print(f"syntax only: {b.where} ({reason})")
         if b.lang in PYTHON_LANGS:
             try:
@@ -382,4 +451,3 @@ def test_syntax_only_blocks(tmp_path):
             if out.returncode != 0:
                 failures.append(f"{b.where}: {out.stderr}")
     assert not failures, "\n".join(failures)
-

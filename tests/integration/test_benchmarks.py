@@ -30,22 +30,25 @@ def test_cost_model_fits_and_projects_sanely():
         cost_model.fit_alpha_beta([8, 8], [1e-5, 1e-5], 2)
 
     intra = {"alpha": ALPHA, "beta": BETA}
-    workloads = {"small": {"params": 10_000, "compute_s": 0.05},
-                 "large": {"params": 50_000_000, "compute_s": 0.05}}
+    workloads = {
+        "small": {"params": 10_000, "compute_s": 0.05},
+        "large": {"params": 50_000_000, "compute_s": 0.05},
+    }
     rows = cost_model.project(workloads, intra)
     for name in workloads:
         for label in cost_model.NETWORKS:
-            mine = sorted((r for r in rows if r["workload"] == name and r["network"] == label),
-                          key=lambda r: r["cores"])
+            mine = sorted(
+                (r for r in rows if r["workload"] == name and r["network"] == label),
+                key=lambda r: r["cores"],
+            )
             assert mine[0]["cores"] == 1 and math.isclose(mine[0]["speedup"], 1.0)
             for a, b in zip(mine, mine[1:]):
-                assert b["step_ms"] >= a["step_ms"]        # more ranks never communicate less
+                assert b["step_ms"] >= a["step_ms"]  # more ranks never communicate less
                 assert b["speedup"] <= b["cores"] + 1e-9
                 if name == "small":  # compute-bound: more cores, more throughput
                     assert a["speedup"] < b["speedup"]
             # More parameters to reduce: slower steps, lower speedup at every core count.
-            other = {r["cores"]: r for r in rows if r["workload"] != name
-                     and r["network"] == label}
+            other = {r["cores"]: r for r in rows if r["workload"] != name and r["network"] == label}
             for r in mine[1:]:
                 bigger = r if name == "large" else other[r["cores"]]
                 smaller = other[r["cores"]] if name == "large" else r
@@ -54,8 +57,9 @@ def test_cost_model_fits_and_projects_sanely():
     slow, fast = list(cost_model.NETWORKS)
     assert cost_model.NETWORKS[slow]["beta"] > cost_model.NETWORKS[fast]["beta"]
     for p in (40, 80, 320):
-        assert (cost_model.speedup_at(rows, "large", fast, p)
-                > cost_model.speedup_at(rows, "large", slow, p))
+        assert cost_model.speedup_at(rows, "large", fast, p) > cost_model.speedup_at(
+            rows, "large", slow, p
+        )
 
 
 @pytest.mark.single_process
@@ -68,31 +72,40 @@ def test_overlap_hides_at_most_the_backward_pass_and_each_step_is_labelled_by_it
         unbucketed = cost_model.step_time(8, compute, nbytes, link, link)
         overlapped = cost_model.overlapped_step_time(8, compute, buckets, link)
         reduction = sum(cost_model.allreduce_time(b, 8, ALPHA, BETA) for b in buckets)
-        assert max(compute, reduction) <= overlapped + 1e-12   # never better than the max
+        assert max(compute, reduction) <= overlapped + 1e-12  # never better than the max
         last = cost_model.allreduce_time(buckets[-1], 8, ALPHA, BETA)
-        assert overlapped >= compute + last - 1e-12            # the first layers' bucket waits
+        assert overlapped >= compute + last - 1e-12  # the first layers' bucket waits
         if len(buckets) == 1:
-            assert math.isclose(overlapped, unbucketed)        # one bucket: nothing to overlap
+            assert math.isclose(overlapped, unbucketed)  # one bucket: nothing to overlap
         else:  # hides up to the window of compute, minus the extra latencies of the buckets
             extra_latency = (len(buckets) - 1) * 2 * math.log2(8) * ALPHA
-            assert overlapped <= unbucketed + extra_latency - min(
-                cost_model.OVERLAP_WINDOW * compute, reduction - last) + 1e-12
+            assert (
+                overlapped
+                <= unbucketed
+                + extra_latency
+                - min(cost_model.OVERLAP_WINDOW * compute, reduction - last)
+                + 1e-12
+            )
     assert cost_model.bound_by(1, compute, 4e8, link) == "compute-bound"
     assert cost_model.bound_by(64, compute, 4e3, link) == "compute-bound"
     assert cost_model.bound_by(64, compute, 4e8, link) == "bandwidth-bound"
     assert cost_model.bound_by(64, 1e-6, 8, link) == "latency-bound"
 
     # The paper's workloads: a label and an overlapped speedup per network and core count.
-    workloads = {"tiny": {"params": 1_000, "compute_s": 1e-3},
-                 "large": {"params": 50_000_000, "compute_s": 0.05}}
+    workloads = {
+        "tiny": {"params": 1_000, "compute_s": 1e-3},
+        "large": {"params": 50_000_000, "compute_s": 0.05},
+    }
     rows = cost_model.project(workloads, link)
     bounds = cost_model.bounds_between(rows, "large", list(cost_model.NETWORKS)[0], 16, 64)
     assert set(bounds) == {16, 20, 32, 40, 64} and set(bounds.values()) == {"bandwidth-bound"}
     for r in rows:
         assert r["overlapped_step_ms"] <= r["step_ms"] + 1e3 * (
             math.ceil(4 * workloads[r["workload"]]["params"] / cost_model.BYTES_PER_PACK)
-            * 2 * math.log2(max(r["cores"], 2)) * max(ALPHA, *(
-                n["alpha"] for n in cost_model.NETWORKS.values())))
+            * 2
+            * math.log2(max(r["cores"], 2))
+            * max(ALPHA, *(n["alpha"] for n in cost_model.NETWORKS.values()))
+        )
 
 
 @pytest.mark.single_process
@@ -103,7 +116,8 @@ def test_one_tiny_training_variant_end_to_end():
     row = train_variant("embedding", "no_strategy", ranks=2, batch=8, steps=2, warmup=1)
     assert row["error"] is None, row
     assert row["ms_per_step"] > 0 and row["samples_per_s"] == pytest.approx(
-        8 / row["ms_per_step"] * 1e3)
+        8 / row["ms_per_step"] * 1e3
+    )
     assert 100 < max(row["peak_rss_mb"]) < 20000
     assert row["params"] == 100_000 * 64 + 64 * 64 + 64 + 64 * 10 + 10
     assert "IndexedSlices" in row["grad_types_before_reduce"]
@@ -111,16 +125,32 @@ def test_one_tiny_training_variant_end_to_end():
     # The report renders a (partial) run with that row.
     sizes, seconds = _fake_calibration()
     result = {
-        "ranks": 3, "quick": True, "command": "test", "time": "now", "duration_s": 1,
-        "load_before": "0", "load_after": "0",
+        "ranks": 3,
+        "quick": True,
+        "command": "test",
+        "time": "now",
+        "duration_s": 1,
+        "load_before": "0",
+        "load_after": "0",
         "machine": {"cores": 2, "cpu": "x", "memory_GiB": 1, "python": "3", "versions": {}},
-        "collectives": [{"bytes": n, "raw_allreduce_ms": t * 1e3, "reduce_overhead_ms": 0.1,
-                         "ratio_to_raw": 1.0, "raw_bus_bandwidth_GBps": 1.0,
-                         "strategy_bus_bandwidth_GBps": 1.0, "ranks": 2}
-                        for n, t in zip(sizes, seconds)],
-        "batch_reduce": [], "train_step": [row],
-        "compute": {m: {"params": 1000, "ms_per_step": 32.0, "global_batch": 32}
-                    for m in ("lenet3", "cnn", "higgs")},
+        "collectives": [
+            {
+                "bytes": n,
+                "raw_allreduce_ms": t * 1e3,
+                "reduce_overhead_ms": 0.1,
+                "ratio_to_raw": 1.0,
+                "raw_bus_bandwidth_GBps": 1.0,
+                "strategy_bus_bandwidth_GBps": 1.0,
+                "ranks": 2,
+            }
+            for n, t in zip(sizes, seconds)
+        ],
+        "batch_reduce": [],
+        "train_step": [row],
+        "compute": {
+            m: {"params": 1000, "ms_per_step": 32.0, "global_batch": 32}
+            for m in ("lenet3", "cnn", "higgs")
+        },
     }
     result["cost_model"] = cost_model.model_report(result)
     assert rss_ratio(result, "embedding", "no_strategy") == 1.0
@@ -137,14 +167,15 @@ def test_timeline_summary_splits_each_step(tmp_path):
     for rank in (0, 1):
         for step in range(6):  # a 1 ms step: an allreduce (0.2 ms wait, 0.1 ms transfer)
             t = 1000.0 * step + 300 + 50 * rank  # and a small broadcast
-            for name, ts, wait, transfer in [("allreduce", t, 200, 100),
-                                             ("broadcast", t + 400, 10, 5)]:
-                events += [{"ph": "X", "pid": rank, "name": name, "ts": ts,
-                            "dur": wait + transfer},
-                           {"ph": "X", "pid": rank, "name": "wait for ranks", "ts": ts,
-                            "dur": wait},
-                           {"ph": "X", "pid": rank, "name": "transfer", "ts": ts + wait,
-                            "dur": transfer}]
+            for name, ts, wait, transfer in [
+                ("allreduce", t, 200, 100),
+                ("broadcast", t + 400, 10, 5),
+            ]:
+                events += [
+                    {"ph": "X", "pid": rank, "name": name, "ts": ts, "dur": wait + transfer},
+                    {"ph": "X", "pid": rank, "name": "wait for ranks", "ts": ts, "dur": wait},
+                    {"ph": "X", "pid": rank, "name": "transfer", "ts": ts + wait, "dur": transfer},
+                ]
     rows = timeline_view.summary(events)
     assert [r["rank"] for r in rows] == [0, 1]
     for r in rows:
@@ -168,9 +199,17 @@ def test_elastic_part_launches_elastic_mode_under_ulfm_and_reports_the_ratio():
     # The MLP's variables and SGD's scalars (iterations, learning rate).
     assert 4 * 1_863_690 < row["mlp"]["state_bytes"] <= 4 * 1_863_690 + 64
     off = dict(row, variant="off", round=0)
-    part = {"ranks": 2, "mpirun": mpirun, "global_batch": 256, "steps": 2, "warmup": 1,
-            "rounds": 1, "commit_every": 10, "target": elastic.TARGET,
-            "launches": [off, dict(row, round=0), dict(row, variant="on, no commits", round=0)]}
+    part = {
+        "ranks": 2,
+        "mpirun": mpirun,
+        "global_batch": 256,
+        "steps": 2,
+        "warmup": 1,
+        "rounds": 1,
+        "commit_every": 10,
+        "target": elastic.TARGET,
+        "launches": [off, dict(row, round=0), dict(row, variant="on, no commits", round=0)],
+    }
     part["models"] = {m: elastic.summary(part["launches"], m) for m in elastic.MODELS}
     assert part["models"]["mlp"]["on"]["ratio"]["ms_per_step"]["of_medians"] == 1.0
     text = "\n".join(elastic.markdown(part))

@@ -23,14 +23,26 @@ EXAMPLE = os.path.join(REPO, "examples", "estimator_style.py")
 
 
 def launch(ranks, model_dir, steps):
-    code, out = run_mpiexec(ranks, [sys.executable, EXAMPLE, "--model-dir", model_dir,
-                                    "--train-steps", str(steps), "--checkpoint-every", "3"],
-                            silence=240, cwd=REPO)
+    code, out = run_mpiexec(
+        ranks,
+        [
+            sys.executable,
+            EXAMPLE,
+            "--model-dir",
+            model_dir,
+            "--train-steps",
+            str(steps),
+            "--checkpoint-every",
+            "3",
+        ],
+        silence=240,
+        cwd=REPO,
+    )
     assert code == 0, out[-10000:]
     lines = [line for line in out.splitlines() if line.lstrip("[0] ").startswith("{")]
     assert len(lines) == 1, f"expected one result line from rank 0:\n{out[-5000:]}"
     # stderr shares the pipe: decode the JSON object and ignore what follows it.
-    return json.JSONDecoder().raw_decode(lines[0][lines[0].index("{"):])[0]
+    return json.JSONDecoder().raw_decode(lines[0][lines[0].index("{") :])[0]
 
 
 @pytest.mark.single_process
@@ -50,7 +62,9 @@ def test_train_checkpoint_resume_evaluate_export_serve(tmp_path):
     assert reference["eval_accuracy"] > 0.7  # it learned something
     for name, result in finals.items():
         for key in ("eval_loss", "eval_accuracy", "last_train_loss"):
-            np.testing.assert_allclose(result[key], reference[key], rtol=1e-4, err_msg=f"{name} {key}")
+            np.testing.assert_allclose(
+                result[key], reference[key], rtol=1e-4, err_msg=f"{name} {key}"
+            )
 
     sys.path.insert(0, os.path.dirname(EXAMPLE))
     try:
@@ -61,8 +75,12 @@ def test_train_checkpoint_resume_evaluate_export_serve(tmp_path):
     features, labels = make_data(300, seed=2)  # the example's evaluation data
     np.savez(held_out, features=features, labels=labels)
     exports = [str(tmp_path / name / "export") for name in plans]
-    served = subprocess.run([sys.executable, program("serve_exports.py"), held_out, *exports],
-                            capture_output=True, text=True, timeout=240)
+    served = subprocess.run(
+        [sys.executable, program("serve_exports.py"), held_out, *exports],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert served.returncode == 0, served.stderr[-5000:]
     accuracies = json.loads(served.stdout.strip().splitlines()[-1])
     for path, accuracy in accuracies.items():

@@ -27,19 +27,23 @@ import mnist_lenet  # noqa: E402
 
 
 def run_example(script, args):
-    code, out = run_mpiexec(2, [sys.executable, os.path.join(EXAMPLES, script), *args],
-                            silence=240, env=ENV)
+    code, out = run_mpiexec(
+        2, [sys.executable, os.path.join(EXAMPLES, script), *args], silence=240, env=ENV
+    )
     assert code == 0, out[-5000:]
     return re.sub(r"\[\d+\] ?", "", out)
 
 
 @pytest.mark.single_process
-@pytest.mark.parametrize("script,args,expected", [
-    ("keras_fit.py", ["--epochs", "1"], "test loss"),
-    # Without ULFM or a failure it is a plain run (the kills: tests/launchers/test_elastic.py).
-    ("elastic_custom_loop.py", ["--steps", "20"], '"ranks_at_start": 2, "ranks_at_end": 2'),
-    ("elastic_keras_fit.py", ["--epochs", "2"], '"ranks_at_start": 2, "ranks_at_end": 2'),
-])
+@pytest.mark.parametrize(
+    "script,args,expected",
+    [
+        ("keras_fit.py", ["--epochs", "1"], "test loss"),
+        # Without ULFM or a failure it is a plain run (the kills: tests/launchers/test_elastic.py).
+        ("elastic_custom_loop.py", ["--steps", "20"], '"ranks_at_start": 2, "ranks_at_end": 2'),
+        ("elastic_keras_fit.py", ["--epochs", "2"], '"ranks_at_start": 2, "ranks_at_end": 2'),
+    ],
+)
 def test_example_runs_on_two_ranks(script, args, expected, tmp_path):
     if script == "keras_fit.py":
         args = args + ["--output", str(tmp_path)]
@@ -47,13 +51,17 @@ def test_example_runs_on_two_ranks(script, args, expected, tmp_path):
     results = [line for line in out.splitlines() if expected in line]
     assert len(results) == 1, out[-5000:]  # printed by rank 0 only
     if script.startswith("elastic_"):  # no ULFM here: the log says how to get it
-        assert out.count("For elastic training, launch with Open MPI 5's `mpirun --with-ft "
-                         "ulfm`") == 1, out[-5000:]
+        assert (
+            out.count("For elastic training, launch with Open MPI 5's `mpirun --with-ft ulfm`") == 1
+        ), out[-5000:]
 
 
 # custom_loop.py, the README's main example: rank 0's line after each epoch.
-DIGITS_LINE = re.compile(r"^epoch (\d+)/10: loss (\d+\.\d{4})  accuracy [01]\.\d{4}  "
-                         r"test accuracy ([01]\.\d{4})  [\d,]+ examples/s$", re.M)
+DIGITS_LINE = re.compile(
+    r"^epoch (\d+)/10: loss (\d+\.\d{4})  accuracy [01]\.\d{4}  "
+    r"test accuracy ([01]\.\d{4})  [\d,]+ examples/s$",
+    re.M,
+)
 
 
 @pytest.mark.single_process
@@ -68,13 +76,17 @@ def test_custom_loop_learns_the_shipped_digits_on_two_ranks():
     assert last_accuracy >= 0.95, out[-5000:]  # measured 0.98 on 360 held-out images
 
 
-EPOCH_LINE = re.compile(r"^epoch 1/1: loss \d+\.\d{4}  accuracy [01]\.\d{4}  "
-                        r"throughput [\d,]+ samples/s \([\d,]+ per rank, 2 ranks\)$", re.M)
+EPOCH_LINE = re.compile(
+    r"^epoch 1/1: loss \d+\.\d{4}  accuracy [01]\.\d{4}  "
+    r"throughput [\d,]+ samples/s \([\d,]+ per rank, 2 ranks\)$",
+    re.M,
+)
 
 
 @pytest.mark.single_process
-@pytest.mark.parametrize("script", ["mnist_lenet.py", "cifar10_cnn.py", "higgs_dnn.py",
-                                    "adult_wide_deep.py"])
+@pytest.mark.parametrize(
+    "script", ["mnist_lenet.py", "cifar10_cnn.py", "higgs_dnn.py", "adult_wide_deep.py"]
+)
 def test_paper_workload_trains_on_two_ranks(script):
     out = run_example(script, ["--epochs", "1", "--steps-per-epoch", "3", "--examples", "1024"])
     # One epoch line with throughput, from rank 0 only; Keras' progress bar too.
@@ -87,6 +99,7 @@ def test_paper_workload_trains_on_two_ranks(script):
 # checks what Keras hands to the strategy (tests/any_world_size/test_strategy.py checks the
 # all-gather of IndexedSlices at every world size).
 
+
 def _batches(dataset, parse, size=100):
     return [tf.nest.map_structure(np.asarray, b) for b in dataset.batch(size).map(parse)]
 
@@ -98,8 +111,9 @@ def test_mnist_reads_idx_files(tmp_path):
     labels = np.array([3, 0, 9, 1, 7], np.uint8)
     with gzip.open(tmp_path / "train-images-idx3-ubyte.gz", "wb") as f:  # as downloaded
         f.write(struct.pack(">IIII", 0x803, 5, 28, 28) + images.tobytes())
-    (tmp_path / "train-labels-idx1-ubyte").write_bytes(struct.pack(">II", 0x801, 5)
-                                                       + labels.tobytes())
+    (tmp_path / "train-labels-idx1-ubyte").write_bytes(
+        struct.pack(">II", 0x801, 5) + labels.tobytes()
+    )
     records, n = mnist_lenet.read_idx(str(tmp_path))
     [(x, y)] = _batches(records, mnist_lenet.to_model_input)
     assert n == 5
@@ -137,8 +151,9 @@ def test_higgs_reads_csv(tmp_path):
     text = "".join(",".join(f"{v:.18e}" for v in row) + "\n" for row in table)
     with gzip.open(tmp_path / "HIGGS.csv.gz", "wt") as f:  # as downloaded
         f.write(text)
-    [(x, y)] = _batches(higgs_dnn.higgs_lines(str(tmp_path / "HIGGS.csv.gz")),
-                        higgs_dnn.parse_higgs)
+    [(x, y)] = _batches(
+        higgs_dnn.higgs_lines(str(tmp_path / "HIGGS.csv.gz")), higgs_dnn.parse_higgs
+    )
     np.testing.assert_allclose(x, table[:, 1:], rtol=1e-6)
     np.testing.assert_array_equal(y, table[:, 0])
 
@@ -162,14 +177,16 @@ ADULT = """\
 def test_adult_reads_csv_with_missing_values(tmp_path):
     (tmp_path / "adult.data").write_text(ADULT)
     # adult.test's format: a header line, labels with a trailing dot.
-    (tmp_path / "adult.test").write_text("|1x3 Cross validator\n"
-                                         + ADULT.replace("50K\n", "50K.\n"))
+    (tmp_path / "adult.test").write_text(
+        "|1x3 Cross validator\n" + ADULT.replace("50K\n", "50K.\n")
+    )
     for name in ("adult.data", "adult.test"):
         lines = adult_wide_deep.adult_lines(str(tmp_path / name))
         [(x, y)] = _batches(lines, adult_wide_deep.parse_adult)
         np.testing.assert_array_equal(y, [0, 1, 1, 0])
-        np.testing.assert_allclose(x["numeric"][0], np.log1p([39, 77516, 13, 2174, 0, 40]),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            x["numeric"][0], np.log1p([39, 77516, 13, 2174, 0, 40]), rtol=1e-6
+        )
         assert x["workclass"][2] == 0 and x["occupation"][2] == 0  # "?": missing
         assert x["native_country"][3] == 0 and x["native_country"][2] != 0
         assert x["workclass"][0] != 0 and x["education"][1] == x["education"][3]
@@ -177,8 +194,9 @@ def test_adult_reads_csv_with_missing_values(tmp_path):
 
     (tmp_path / "bad.data").write_text(ADULT.replace("<=50K", "<50K", 1))
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"must be >50K or <=50K"):
-        _batches(adult_wide_deep.adult_lines(str(tmp_path / "bad.data")),
-                 adult_wide_deep.parse_adult)
+        _batches(
+            adult_wide_deep.adult_lines(str(tmp_path / "bad.data")), adult_wide_deep.parse_adult
+        )
 
 
 @pytest.mark.single_process
@@ -194,8 +212,13 @@ def test_adult_embedding_gradients_reach_the_strategy_sparse(strategy, tmp_path,
     def recording_batch_reduce(reduce_op, value_destination_pairs, options=None):
         results = original(reduce_op, value_destination_pairs, options=options)
         for (value, _), result in zip(value_destination_pairs, results):
-            seen.append((type(first(value)).__name__, type(first(result)).__name__,
-                         tuple(first(value).shape)))
+            seen.append(
+                (
+                    type(first(value)).__name__,
+                    type(first(result)).__name__,
+                    tuple(first(value).shape),
+                )
+            )
         return results
 
     original = cross_device_ops.batch_reduce
@@ -203,15 +226,19 @@ def test_adult_embedding_gradients_reach_the_strategy_sparse(strategy, tmp_path,
 
     (tmp_path / "adult.data").write_text(ADULT)
     dataset = adult_wide_deep.distributed_dataset(
-        strategy, adult_wide_deep.adult_lines(str(tmp_path / "adult.data")),
-        global_batch=2 * NUM_REPLICAS, repeat=True)
+        strategy,
+        adult_wide_deep.adult_lines(str(tmp_path / "adult.data")),
+        global_batch=2 * NUM_REPLICAS,
+        repeat=True,
+    )
     with strategy.scope():
         model = adult_wide_deep.wide_and_deep()
         model.compile(optimizer="adam", loss="binary_crossentropy")
     model.fit(dataset, epochs=1, steps_per_epoch=1, verbose=0)
 
-    tables = [layer.embeddings for layer in model.layers
-              if isinstance(layer, keras.layers.Embedding)]
+    tables = [
+        layer.embeddings for layer in model.layers if isinstance(layer, keras.layers.Embedding)
+    ]
     sparse = [s for s in seen if s[0] == "IndexedSlices"]
     assert len(tables) == 2 * len(adult_wide_deep.CATEGORICAL) + 1
     assert sorted(s[2] for s in sparse) == sorted(tuple(t.shape) for t in tables), seen

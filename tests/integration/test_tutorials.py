@@ -35,8 +35,10 @@ from run_all import TUTORIALS  # noqa: E402
 
 RANKS = 2
 # The tutorials import mpi_strategy from this checkout, wherever it is installed.
-ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
-       "TF_CPP_MIN_LOG_LEVEL": "2"}
+ENV = {
+    "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+}
 LAUNCH_TIMEOUT = float(os.environ.get("TUTORIAL_LAUNCH_TIMEOUT", "300"))
 # MPIStrategy with one device per rank splits every batch as MirroredStrategy
 # does and sums the two replicas' values in the same order: the same
@@ -74,8 +76,9 @@ def _run_mpi(workdir, keras, names, launches):
         argv = [sys.executable, RUN_ALL, "--keras", keras, workdir, *remaining]
         start = time.monotonic()
         try:
-            code, out = run_mpiexec(RANKS, argv, silence=LAUNCH_TIMEOUT,
-                                    env=dict(ENV, TUTORIAL_STRATEGY="mpi"))
+            code, out = run_mpiexec(
+                RANKS, argv, silence=LAUNCH_TIMEOUT, env=dict(ENV, TUTORIAL_STRATEGY="mpi")
+            )
         except AssertionError as timeout:  # run_mpiexec's TIMEOUT, with the output
             code, out = "timeout", str(timeout)
         launches.append((f"mpi {keras}: {' '.join(remaining)}", time.monotonic() - start, code))
@@ -85,14 +88,17 @@ def _run_mpi(workdir, keras, names, launches):
         unfinished = [n for n in remaining if n not in done]
         if not unfinished:
             if code != 0:
-                stuck[f"(launch {keras})"] = (f"every tutorial finished, but mpiexec exited "
-                                              f"with {code}:\n{_tail(out)}")
+                stuck[f"(launch {keras})"] = (
+                    f"every tutorial finished, but mpiexec exited with {code}:\n{_tail(out)}"
+                )
             break
         first = unfinished[0]
         missing = sorted(set(range(RANKS)) - set(results.get(first, {})))
-        stuck[first] = (f"rank(s) {missing} did not finish it (mpiexec: {code}); "
-                        f"end of the output:\n{_tail(out)}")
-        remaining = remaining[remaining.index(first) + 1:]
+        stuck[first] = (
+            f"rank(s) {missing} did not finish it (mpiexec: {code}); "
+            f"end of the output:\n{_tail(out)}"
+        )
+        remaining = remaining[remaining.index(first) + 1 :]
     return _read_results(workdir), stuck
 
 
@@ -101,8 +107,14 @@ def _run_mirrored(workdir, keras, names, launches):
     env = dict(os.environ, **ENV, TUTORIAL_STRATEGY="mirrored")
     start = time.monotonic()
     try:
-        proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=LAUNCH_TIMEOUT)
+        proc = subprocess.run(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=LAUNCH_TIMEOUT,
+        )
         code, out = proc.returncode, proc.stdout
     except subprocess.TimeoutExpired as timeout:
         code, out = "timeout", str(timeout.output)
@@ -132,11 +144,18 @@ def differences(ours, theirs, where=""):
     if isinstance(ours, list) and isinstance(theirs, list):
         if len(ours) != len(theirs):
             return [f"{where}: {len(ours)} items != {len(theirs)}: {ours} vs {theirs}"]
-        return [d for i, (a, b) in enumerate(zip(ours, theirs))
-                for d in differences(a, b, f"{where}[{i}]")]
+        return [
+            d
+            for i, (a, b) in enumerate(zip(ours, theirs))
+            for d in differences(a, b, f"{where}[{i}]")
+        ]
     numbers = (int, float)
-    if (isinstance(ours, numbers) and isinstance(theirs, numbers)
-            and not isinstance(ours, bool) and not isinstance(theirs, bool)):
+    if (
+        isinstance(ours, numbers)
+        and isinstance(theirs, numbers)
+        and not isinstance(ours, bool)
+        and not isinstance(theirs, bool)
+    ):
         if np.isclose(ours, theirs, rtol=RTOL, atol=ATOL):
             return []
     elif ours == theirs:
@@ -168,42 +187,52 @@ def test_tutorials_run_under_mpi_as_under_mirrored_strategy(tmp_path):
     for name in TUTORIALS:
         reference = mirrored.get(name)
         ranks = mpi.get(name, {})
-        row = [f"{name} ({TUTORIALS[name]}):",
-               "  mirrored: " + ("no result" if reference is None
-                                 else _last_line(reference["error"]))]
+        row = [
+            f"{name} ({TUTORIALS[name]}):",
+            "  mirrored: " + ("no result" if reference is None else _last_line(reference["error"])),
+        ]
         if reference is None or not reference["ok"]:
-            problems.append(f"{name} failed under MirroredStrategy: "
-                            + (reference["error"] if reference else "no result"))
+            problems.append(
+                f"{name} failed under MirroredStrategy: "
+                + (reference["error"] if reference else "no result")
+            )
         for rank in range(RANKS):
             result = ranks.get(rank)
             if result is None:
                 row.append(f"  mpi rank {rank}: no result (stuck; see below)")
-                problems.append(f"{name}: no result from rank {rank} under MPIStrategy: "
-                                + stuck.get(name, "?"))
+                problems.append(
+                    f"{name}: no result from rank {rank} under MPIStrategy: " + stuck.get(name, "?")
+                )
                 continue
-            row.append(f"  mpi rank {rank}: {_last_line(result['error'])} "
-                       f"({result['seconds']} s)")
+            row.append(f"  mpi rank {rank}: {_last_line(result['error'])} ({result['seconds']} s)")
             if not result["ok"]:
-                problems.append(f"{name} failed on rank {rank} under MPIStrategy:\n"
-                                + result["error"])
+                problems.append(
+                    f"{name} failed on rank {rank} under MPIStrategy:\n" + result["error"]
+                )
         complete = [ranks.get(r) for r in range(RANKS)]
         if all(r is not None and r["ok"] for r in complete):
             for rank in range(1, RANKS):
                 if complete[rank]["numbers"] != complete[0]["numbers"]:
                     diff = differences(complete[rank]["numbers"], complete[0]["numbers"])
-                    problems.append(f"{name}: rank {rank} reports other numbers than rank 0 "
-                                    f"(or the same within tolerance): {diff[:10]}")
+                    problems.append(
+                        f"{name}: rank {rank} reports other numbers than rank 0 "
+                        f"(or the same within tolerance): {diff[:10]}"
+                    )
             if reference is not None and reference["ok"]:
                 diff = differences(complete[0]["numbers"], reference["numbers"])
                 if diff:
-                    problems.append(f"{name}: MPIStrategy's numbers differ from "
-                                    f"MirroredStrategy's: " + "; ".join(diff[:10]))
+                    problems.append(
+                        f"{name}: MPIStrategy's numbers differ from "
+                        f"MirroredStrategy's: " + "; ".join(diff[:10])
+                    )
         table.extend(row)
 
     problems += [f"{what}: {why}" for what, why in stuck.items() if what.startswith("(launch")]
     wall = time.monotonic() - started
-    table.append("launches: " + "; ".join(f"{what}: {secs:.1f} s (exit {code})"
-                                         for what, secs, code in launches))
+    table.append(
+        "launches: "
+        + "; ".join(f"{what}: {secs:.1f} s (exit {code})" for what, secs, code in launches)
+    )
     table.append(f"wall time of the whole test: {wall:.1f} s")
     print("\n".join(table))
     assert not problems, "\n".join(table) + "\n\n" + "\n\n".join(problems)

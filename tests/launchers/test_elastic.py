@@ -33,8 +33,13 @@ def _launch(n, kills=(), example=EXAMPLE, args=STEPS, ok=True, kill_at_random=No
     a ``RandomKills`` that SIGKILLs ranks from outside."""
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
     cmd = open_mpi_command(ULFM_MPIRUN, n, ulfm=True) + [
-        "-x", "TF_CPP_MIN_LOG_LEVEL=3", "-x", "PYTHONUNBUFFERED=1",
-        "-x", f"MPI_STRATEGY_TEST_TAG={tag}"]
+        "-x",
+        "TF_CPP_MIN_LOG_LEVEL=3",
+        "-x",
+        "PYTHONUNBUFFERED=1",
+        "-x",
+        f"MPI_STRATEGY_TEST_TAG={tag}",
+    ]
     if "PYTHONPATH" in os.environ:  # a checkout found that way, not installed
         cmd += ["-x", "PYTHONPATH"]
     cmd += ["python", example, *args]
@@ -59,8 +64,9 @@ class RandomKills:
         rng = random.Random(seed)
         self.ranks = rng.sample(range(n), victims)
         self.started = rng.choice(lines)
-        self.delays = [rng.uniform(0, first_s)] + [rng.uniform(0, gap_s)
-                                                   for _ in range(victims - 1)]
+        self.delays = [rng.uniform(0, first_s)] + [
+            rng.uniform(0, gap_s) for _ in range(victims - 1)
+        ]
         self.seed, self.killed = seed, []
 
     def watch(self, tag):
@@ -70,6 +76,7 @@ class RandomKills:
             if line.startswith(self.started) and not self.killed:
                 self.killed.append(None)  # once
                 threading.Thread(target=self._kill, daemon=True).start()
+
         return each_line
 
     def _kill(self):
@@ -79,8 +86,10 @@ class RandomKills:
             self.killed.append((rank, round(delay, 3)))
 
     def __str__(self):
-        return (f"RandomKills(seed={self.seed}): ranks {self.ranks}, after {self.started!r} +"
-                f"{[round(d, 3) for d in self.delays]} s; killed {self.killed[1:]}")
+        return (
+            f"RandomKills(seed={self.seed}): ranks {self.ranks}, after {self.started!r} +"
+            f"{[round(d, 3) for d in self.delays]} s; killed {self.killed[1:]}"
+        )
 
 
 def _rank_pids(tag):
@@ -99,8 +108,10 @@ def _rank_pids(tag):
 
 def _needs_ulfm():
     if ULFM_MPIRUN is None:
-        pytest.skip("needs an MPI with ULFM: set MPI_STRATEGY_TEST_ULFM_MPIRUN to Open MPI "
-                    "5's mpirun (.ci/run does)")
+        pytest.skip(
+            "needs an MPI with ULFM: set MPI_STRATEGY_TEST_ULFM_MPIRUN to Open MPI "
+            "5's mpirun (.ci/run does)"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -122,12 +133,16 @@ def _assert_same_run(got, want, why="", loss_tolerance=1e-6, weights_tolerance=1
 # Slow (each launch starts TensorFlow on every rank), all of them: they must
 # stay, they are the only checks that a real SIGKILL is survived.
 @pytest.mark.single_process
-@pytest.mark.parametrize("n,kills", [
-    (3, ["0@7"]),            # rank 0 itself, before the first commit of the loop
-    (3, ["2@15"]),           # between two commits
-    (4, ["3@12", "1@27"]),   # 4 -> 3 -> 2: two failures, one after the other
-    (3, ["2@200"]),          # after the last collective: no recovery, and no hang at the end
-], ids=["rank0", "3to2", "4to2", "at_the_end"])
+@pytest.mark.parametrize(
+    "n,kills",
+    [
+        (3, ["0@7"]),  # rank 0 itself, before the first commit of the loop
+        (3, ["2@15"]),  # between two commits
+        (4, ["3@12", "1@27"]),  # 4 -> 3 -> 2: two failures, one after the other
+        (3, ["2@200"]),  # after the last collective: no recovery, and no hang at the end
+    ],
+    ids=["rank0", "3to2", "4to2", "at_the_end"],
+)
 def test_lost_ranks_do_not_end_the_job_and_the_run_continues_exactly(uninterrupted, n, kills):
     result, out = _launch(n, kills)
     recovered = kills != ["2@200"]
@@ -152,16 +167,18 @@ def test_ranks_killed_from_outside_at_random_moments(uninterrupted_long, seed):
     # survivors are still recovering from the first: inside a collective,
     # between steps, in a commit or in the recovery, wherever they land. A
     # long run: the launcher may forward the progress lines late under load.
-    kills = RandomKills(seed, 4, victims=2, lines=[f"step {k}:" for k in range(10, 60, 10)],
-                        first_s=0.2, gap_s=0.3)
+    kills = RandomKills(
+        seed, 4, victims=2, lines=[f"step {k}:" for k in range(10, 60, 10)], first_s=0.2, gap_s=0.3
+    )
     result, out = _launch(4, args=LONG, kill_at_random=kills)
     assert result["ranks_at_end"] == 2, f"{kills}\n{out[-3000:]}"
     # Every step done once, on the same examples, and no drift: 600 steps
     # summed on 4, 3 and 2 ranks round differently from 3 ranks (measured:
     # 6e-6 on the loss, 3e-3 on the weights' sum). That the rollback is exact
     # is the deterministic tests' part.
-    _assert_same_run(result, uninterrupted_long, str(kills), loss_tolerance=1e-4,
-                     weights_tolerance=1e-2)
+    _assert_same_run(
+        result, uninterrupted_long, str(kills), loss_tolerance=1e-4, weights_tolerance=1e-2
+    )
 
 
 @pytest.mark.single_process
@@ -193,12 +210,17 @@ def keras_uninterrupted():
 
 
 @pytest.mark.single_process
-@pytest.mark.parametrize("n,kills,commits", [
-    (3, ["1@23"], [3]),              # in epoch 3 of 6: back to the end of epoch 2
-    (4, ["0@15", "2@38"], [2, 4]),   # the chief in epoch 2, then another rank in epoch 4
-], ids=["3to2", "4to2"])
+@pytest.mark.parametrize(
+    "n,kills,commits",
+    [
+        (3, ["1@23"], [3]),  # in epoch 3 of 6: back to the end of epoch 2
+        (4, ["0@15", "2@38"], [2, 4]),  # the chief in epoch 2, then another rank in epoch 4
+    ],
+    ids=["3to2", "4to2"],
+)
 def test_keras_fit_goes_on_from_the_last_epoch_every_survivor_finished(
-        keras_uninterrupted, n, kills, commits):
+    keras_uninterrupted, n, kills, commits
+):
     got, out = _launch(n, kills=kills, example=KERAS_EXAMPLE, args=())
     assert got["ranks_at_end"] == n - len(kills) and got["epochs"] == 6
     # Commit 1 is the start, commit k + 1 the end of epoch k.
@@ -209,8 +231,9 @@ def test_keras_fit_goes_on_from_the_last_epoch_every_survivor_finished(
 
 @pytest.mark.single_process
 def test_keras_fit_with_a_rank_killed_from_outside_at_a_random_moment(keras_uninterrupted):
-    kills = RandomKills(3, 3, victims=1, lines=["Epoch 2/", "Epoch 3/", "Epoch 4/"],
-                        first_s=0.5, gap_s=0)
+    kills = RandomKills(
+        3, 3, victims=1, lines=["Epoch 2/", "Epoch 3/", "Epoch 4/"], first_s=0.5, gap_s=0
+    )
     got, out = _launch(3, example=KERAS_EXAMPLE, args=(), kill_at_random=kills)
     assert got["ranks_at_end"] == 2, f"{kills}\n{out[-3000:]}"
     _assert_same_run(got, keras_uninterrupted, str(kills))
@@ -219,8 +242,9 @@ def test_keras_fit_with_a_rank_killed_from_outside_at_a_random_moment(keras_unin
 @pytest.mark.single_process
 def test_a_rank_lost_before_the_strategy_exists_ends_the_job_with_status_1():
     _needs_ulfm()
-    _, out = _launch(3, example=program("ulfm_uncaught_error.py"),
-                     args=["--killed-before-strategy"], ok=False)
+    _, out = _launch(
+        3, example=program("ulfm_uncaught_error.py"), args=["--killed-before-strategy"], ok=False
+    )
     assert "MPI_ERR_PROC_FAILED" in out, out[-3000:]
 
 
@@ -231,8 +255,9 @@ def test_an_uncaught_error_on_one_rank_leaves_no_rank_waiting(elastic):
     # reported, and the others would wait): inside elastic.run the others go
     # on without it; outside, the job ends with status 1.
     _needs_ulfm()
-    result, out = _launch(3, example=program("ulfm_uncaught_error.py"),
-                          args=["--elastic"] * elastic, ok=elastic)
+    result, out = _launch(
+        3, example=program("ulfm_uncaught_error.py"), args=["--elastic"] * elastic, ok=elastic
+    )
     assert "ValueError: an error of rank 2 alone" in out, out[-3000:]
     if elastic:
         # Steps 0-2 on 3 ranks, step 3 (rolled back, done again) to 9 on 2.
@@ -263,5 +288,6 @@ def test_replacements_not_joined_yet_leave_when_the_program_ends(uninterrupted):
     got, out = _launch(3, ["2@15"], args=STEPS + ("--replace-lost",))
     _assert_same_run(got, uninterrupted)
     if got["ranks_at_end"] == 2:
-        assert ("this replacement is not needed any more (the survivors lost another rank "
-                "or finished)") in out, out[-3000:]
+        assert (
+            "this replacement is not needed any more (the survivors lost another rank or finished)"
+        ) in out, out[-3000:]

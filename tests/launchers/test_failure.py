@@ -21,12 +21,15 @@ DEADLINE = 30.0  # seconds from the first completed step to the end of the job
 
 # case -> (exception summary, lines of the traceback that locate the failure)
 CASES = {
-    "in_step": ("InvalidArgumentError: Graph execution error",
-                ["in replica_fn", "assertion failed: [loss is not finite on replica]"]),
-    "input": ("ValueError: corrupt record 12 on rank 1",
-              ['raise ValueError(f"corrupt record {i} on rank 1")', "in records"]),
-    "between": ("ValueError: bad batch on rank 1",
-                ['raise ValueError("bad batch on rank 1")']),
+    "in_step": (
+        "InvalidArgumentError: Graph execution error",
+        ["in replica_fn", "assertion failed: [loss is not finite on replica]"],
+    ),
+    "input": (
+        "ValueError: corrupt record 12 on rank 1",
+        ['raise ValueError(f"corrupt record {i} on rank 1")', "in records"],
+    ),
+    "between": ("ValueError: bad batch on rank 1", ['raise ValueError("bad batch on rank 1")']),
 }
 
 
@@ -34,16 +37,18 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_an_exception_on_one_rank_ends_the_job_with_its_traceback(case):
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    code, out = run_mpiexec(2, [sys.executable, program("fail_on_rank_1.py"), case], silence=180,
-                            env=env)
+    code, out = run_mpiexec(
+        2, [sys.executable, program("fail_on_rank_1.py"), case], silence=180, env=env
+    )
     ended = time.time()
     plain = re.sub(r"\[\d+\] ?", "", out)  # MPICH's -prepend-rank tags arbitrary chunks
     started = [float(t) for t in re.findall(r"FIRST_STEP_DONE_AT=([\d.]+)", plain)]
     assert code != 0 and started and "ALL_STEPS_DONE" not in plain, out[-5000:]
     summary, where = CASES[case]
     # The hook's summary line names the rank and the exception.
-    assert re.search(r"uncaught exception on rank 1 of 2 \([^\n]*" + re.escape(summary), plain), \
+    assert re.search(r"uncaught exception on rank 1 of 2 \([^\n]*" + re.escape(summary), plain), (
         out[-5000:]
+    )
     assert "uncaught exception on rank 0" not in plain, out[-5000:]
     for line in where:
         assert line in plain, f"{line!r} not in the traceback:\n{out[-5000:]}"

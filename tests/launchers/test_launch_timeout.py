@@ -25,12 +25,16 @@ def _python(code):
 def test_a_command_that_keeps_printing_runs_past_the_silence_limit():
     lines = []
     started = time.monotonic()
-    code, out = run_launcher(_python("""
+    code, out = run_launcher(
+        _python("""
         import time
         for i in range(16):  # 8 s, a line every 0.5 s
             print("line", i, flush=True)
             time.sleep(0.5)
-        """), silence=SILENCE, each_line=lines.append)
+        """),
+        silence=SILENCE,
+        each_line=lines.append,
+    )
     took = time.monotonic() - started
     assert code == 0 and took > 2 * SILENCE, (code, took, out)
     assert out.splitlines() == [f"line {i}" for i in range(16)], out
@@ -40,12 +44,15 @@ def test_a_command_that_keeps_printing_runs_past_the_silence_limit():
 @pytest.mark.single_process
 def test_output_without_a_newline_counts_as_output():
     # pytest -q's progress dots, as each rank of a suite rerun prints them.
-    code, out = run_launcher(_python("""
+    code, out = run_launcher(
+        _python("""
         import sys, time
         for i in range(16):
             sys.stdout.write("."); sys.stdout.flush()
             time.sleep(0.5)
-        """), silence=SILENCE)
+        """),
+        silence=SILENCE,
+    )
     assert code == 0 and out == "." * 16, (code, out)
 
 
@@ -53,11 +60,14 @@ def test_output_without_a_newline_counts_as_output():
 def test_a_command_that_goes_silent_is_killed_after_the_silence_limit():
     started = time.monotonic()
     with pytest.raises(AssertionError) as raised:
-        run_launcher(_python("""
+        run_launcher(
+            _python("""
             import os, time
             print("child pid", os.getpid(), "waiting forever", flush=True)
             time.sleep(600)
-            """), silence=SILENCE)
+            """),
+            silence=SILENCE,
+        )
     took = time.monotonic() - started
     message = str(raised.value)
     assert f"no output for {SILENCE:g} s" in message, message
@@ -73,12 +83,16 @@ def test_a_command_that_goes_silent_is_killed_after_the_silence_limit():
 def test_an_overall_limit_stops_even_a_command_that_keeps_printing():
     started = time.monotonic()
     with pytest.raises(AssertionError) as raised:
-        run_launcher(_python("""
+        run_launcher(
+            _python("""
             import time
             while True:
                 print("still busy", flush=True)
                 time.sleep(0.5)
-            """), silence=SILENCE, total=2 * SILENCE)
+            """),
+            silence=SILENCE,
+            total=2 * SILENCE,
+        )
     took = time.monotonic() - started
     assert "overall limit of 6 s" in str(raised.value) and "still busy" in str(raised.value)
     assert 2 * SILENCE <= took < 2 * SILENCE + 30, took

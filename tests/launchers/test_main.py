@@ -24,8 +24,12 @@ def test_diagnostics_report_every_rank_and_a_working_collective():
 # (tests/programs/diagnostics_without_pickles.py).
 @pytest.mark.single_process
 def test_diagnostics_send_no_pickles_and_name_the_failing_rank():
-    code, out = run_mpiexec(2, [sys.executable, program("diagnostics_without_pickles.py")],
-                            silence=120, env={"PYTHONIOENCODING": "utf-8"})
+    code, out = run_mpiexec(
+        2,
+        [sys.executable, program("diagnostics_without_pickles.py")],
+        silence=120,
+        env={"PYTHONIOENCODING": "utf-8"},
+    )
     assert code != 0, out[-3000:]
     assert "mpi4py pickled" not in out, out[-3000:]
     assert "RESULT: FAILED on ranks [1]" in out, out[-3000:]

@@ -49,14 +49,23 @@ KILL_DEADLINE = 30.0  # seconds from the kill to the end of the job
 
 def _reports(out):
     import json
+
     # Rank tags and other ranks' output may split or join lines.
     plain = re.sub(r"\[\d+\] ?", "", out)
     return [json.loads(m) for m in re.findall(r"REPORT (\{[^{}]*\})", plain)]
 
 
 def _launch(workdir, runs, expect_kill):
-    argv = [sys.executable, program("resume_job.py"), str(workdir),
-            str(STEPS), str(CKPT_EVERY), str(EPOCHS), str(BATCHES_PER_EPOCH), *runs]
+    argv = [
+        sys.executable,
+        program("resume_job.py"),
+        str(workdir),
+        str(STEPS),
+        str(CKPT_EVERY),
+        str(EPOCHS),
+        str(BATCHES_PER_EPOCH),
+        *runs,
+    ]
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     started = time.time()
     code, out = run_mpiexec(2, argv, silence=180, env=env)
@@ -98,24 +107,32 @@ def test_killed_jobs_resume_to_the_uninterrupted_weights(tmp_path):
     # Keras: mid-epoch, never on an epoch's last batch (see the module docstring).
     epoch, batch = rng.randrange(EPOCHS), rng.randrange(BATCHES_PER_EPOCH - 1)
     keras_kill = epoch * BATCHES_PER_EPOCH + batch + 1
-    what = (f"seed {seed}: custom loop killed after step {custom_kill}, "
-            f"Keras after step {keras_kill}")
+    what = (
+        f"seed {seed}: custom loop killed after step {custom_kill}, Keras after step {keras_kill}"
+    )
     print(what)
 
     _launch(tmp_path, [f"custom:run:{custom_kill}"], expect_kill=True)
-    reports, out = _launch(tmp_path, ["custom:run:0", "custom:reference:0",
-                                      f"keras:run:{keras_kill}"], expect_kill=True)
+    reports, out = _launch(
+        tmp_path,
+        ["custom:run:0", "custom:reference:0", f"keras:run:{keras_kill}"],
+        expect_kill=True,
+    )
     starts = [r for r in reports if r["event"] == "start" and r["variant"] == "custom"]
     resumed_at = (custom_kill // CKPT_EVERY) * CKPT_EVERY
     for rank in (0, 1):  # the resumed run, then the uninterrupted one
         assert [r["start_step"] for r in starts if r["rank"] == rank] == [resumed_at, 0], (
-            what, out[-5000:])
-    _assert_same_weights(_weights(tmp_path / "custom-run.npz"),
-                         _weights(tmp_path / "custom-reference.npz"), what)
+            what,
+            out[-5000:],
+        )
+    _assert_same_weights(
+        _weights(tmp_path / "custom-run.npz"), _weights(tmp_path / "custom-reference.npz"), what
+    )
 
     reports, out = _launch(tmp_path, ["keras:run:0", "keras:reference:0"], expect_kill=False)
     epochs_run = [r["epochs_run"] for r in reports if r["event"] == "fitted" and r["rank"] == 0]
     # Resumed at the start of the epoch in which the kill landed.
     assert epochs_run == [EPOCHS - epoch, EPOCHS], (what, out[-5000:])
-    _assert_same_weights(_weights(tmp_path / "keras-run.npz"),
-                         _weights(tmp_path / "keras-reference.npz"), what)
+    _assert_same_weights(
+        _weights(tmp_path / "keras-run.npz"), _weights(tmp_path / "keras-reference.npz"), what
+    )

@@ -43,8 +43,12 @@ def test_a_kill_during_checkpoint_writes_leaves_the_latest_checkpoint_usable(tmp
     killed_mid_write = 0
     for attempt in range(6):
         directory = str(tmp_path / f"ckpt{attempt}")
-        child = subprocess.Popen([sys.executable, program("keep_saving_checkpoints.py"), directory],
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        child = subprocess.Popen(
+            [sys.executable, program("keep_saving_checkpoints.py"), directory],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         assert child.stdout.readline().strip() == "1"
         # Kill as soon as a save is seen in progress (not after a fixed sleep,
         # which on a loaded machine too often lands between two saves).

@@ -32,8 +32,12 @@ def reports(tmp_path_factory):
     """Every rank's report of one 2-rank launch of tests/programs/security_report.py, by rank."""
     workdir = tmp_path_factory.mktemp("security")
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    code, out = run_mpiexec(2, [sys.executable, program("security_report.py"),
-                                str(workdir / "out")], silence=240, env=env)
+    code, out = run_mpiexec(
+        2,
+        [sys.executable, program("security_report.py"), str(workdir / "out")],
+        silence=240,
+        env=env,
+    )
     assert code == 0, out[-5000:]
     plain = re.sub(r"\[\d+\] ?", "", out)
     # Other ranks' output may be joined to a report line: decode just the object.
@@ -61,12 +65,20 @@ def test_nothing_is_unpickled_in_the_training_path(reports):
 @pytest.mark.single_process
 @pytest.mark.parametrize("umask", UMASKS, ids=lambda m: f"umask{m:03o}")
 def test_checkpoints_and_exports_follow_the_umask(reports, umask):
-    modes = {path: mode for path, mode in reports[0]["modes"].items()
-             if path.split(os.sep)[0] == f"umask{umask:03o}"}
+    modes = {
+        path: mode
+        for path, mode in reports[0]["modes"].items()
+        if path.split(os.sep)[0] == f"umask{umask:03o}"
+    }
     # One of each kind of output was written (on rank 0, in the real place).
-    for part in ("manager/checkpoint", "plain/ckpt.index", "model.keras",
-                 "export/saved_model.pb", "saved_model/saved_model.pb",
-                 "saved_model/variables"):
+    for part in (
+        "manager/checkpoint",
+        "plain/ckpt.index",
+        "model.keras",
+        "export/saved_model.pb",
+        "saved_model/saved_model.pb",
+        "saved_model/variables",
+    ):
         assert os.path.join(f"umask{umask:03o}", part) in modes, sorted(modes)
     too_open = {path: oct(mode) for path, mode in modes.items() if mode & (umask | 0o7000)}
     assert not too_open, f"more permissive than umask {umask:03o} allows: {too_open}"

@@ -20,21 +20,28 @@ SILENCE = DEFAULT_SILENCE
 
 
 @pytest.mark.single_process
-@pytest.mark.parametrize("ranks,local_devices", [(2, 1), (3, 1), (2, 2)],
-                         ids=["2ranks", "3ranks", "2ranks-x-2devices"])
+@pytest.mark.parametrize(
+    "ranks,local_devices", [(2, 1), (3, 1), (2, 2)], ids=["2ranks", "3ranks", "2ranks-x-2devices"]
+)
 def test_suite_under_mpiexec(ranks, local_devices, tmp_path):
     arrivals = []  # when each line of output came: the longest gap is printed
     code, out = run_mpiexec(
         ranks,
         python_argv("-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", ANY_WORLD_SIZE),
         silence=SILENCE,
-        env={"MPI_STRATEGY_TEST_LOCAL_DEVICES": str(local_devices),
-             "MPI_STRATEGY_TEST_REPORT_DIR": str(tmp_path)},
-        cwd=REPO, each_line=lambda line: arrivals.append(time.monotonic()))
+        env={
+            "MPI_STRATEGY_TEST_LOCAL_DEVICES": str(local_devices),
+            "MPI_STRATEGY_TEST_REPORT_DIR": str(tmp_path),
+        },
+        cwd=REPO,
+        each_line=lambda line: arrivals.append(time.monotonic()),
+    )
     print(out)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    print(f"longest gap between two lines of output: {max(gaps, default=0):.1f} s "
-          f"(a launch is killed after {SILENCE:g} s without any output)")
+    print(
+        f"longest gap between two lines of output: {max(gaps, default=0):.1f} s "
+        f"(a launch is killed after {SILENCE:g} s without any output)"
+    )
     assert code == 0, f"mpiexec -n {ranks} (x{local_devices} devices) failed:\n{out[-20000:]}"
     reports = {}
     for rank in range(ranks):

@@ -9,8 +9,10 @@ and name rank 1 as the failing rank.
 import runpy, socket, sys
 from mpi4py import MPI
 
+
 def no_pickles(*args, **kwargs):
     raise AssertionError("mpi4py pickled a message")
+
 
 MPI.pickle.__init__(no_pickles, no_pickles)
 rank = MPI.COMM_WORLD.Get_rank()
@@ -19,10 +21,12 @@ if rank == 1:
 
 import mpi_strategy
 
+
 class OffByOneOnRank1(mpi_strategy.MPIStrategy):
     @property
     def num_replicas_in_sync(self):
         return super().num_replicas_in_sync + (rank == 1)
+
 
 mpi_strategy.MPIStrategy = OffByOneOnRank1
 sys.argv = ["mpi_strategy"]

@@ -19,8 +19,10 @@ FAILED = "DOCBLOCK FAILED"  # tests/docs/test_docs.py looks for it
 def _run_payload(payload_path):
     """Runs the blocks of each page in one namespace; every rank stops at the first failure."""
     import traceback
+
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from mpi4py import MPI
+
     comm = MPI.COMM_WORLD
     with open(payload_path) as f:
         payload = json.load(f)
@@ -30,8 +32,10 @@ def _run_payload(payload_path):
         namespace = {"__name__": "__main__"}
         _register_source(page)
         for block in page["blocks"]:
-            chunks = [*((code, line) for code, line in block["setups"]),
-                      (block["code"], block["line"])]
+            chunks = [
+                *((code, line) for code, line in block["setups"]),
+                (block["code"], block["line"]),
+            ]
             error = None
             print(f"DOCBLOCK START {page['page']}:{block['line']}", flush=True)
             try:
@@ -43,8 +47,10 @@ def _run_payload(payload_path):
             except BaseException:  # report anything, on every rank, then stop together
                 error = traceback.format_exc()
             if error is not None:
-                print(f"{FAILED} {page['page']}:{block['line']} on rank {comm.Get_rank()}:"
-                      f"\n{error}", flush=True)
+                print(
+                    f"{FAILED} {page['page']}:{block['line']} on rank {comm.Get_rank()}:\n{error}",
+                    flush=True,
+                )
             if comm.allreduce(error is not None, op=MPI.LOR):
                 return 1
     return 0
@@ -58,12 +64,13 @@ def _register_source(page):
     laid out at their own line numbers (everything else blank).
     """
     import linecache
+
     lines = []
     for block in page["blocks"]:
         for code, line in list(block["setups"]) + [(block["code"], block["line"])]:
             chunk = code.splitlines(keepends=True)
             lines.extend(["\n"] * (line - 1 + len(chunk) - len(lines)))
-            lines[line - 1:line - 1 + len(chunk)] = chunk
+            lines[line - 1 : line - 1 + len(chunk)] = chunk
     linecache.cache[page["page"]] = (sum(map(len, lines)), None, lines, page["page"])
 
 

@@ -27,7 +27,8 @@ def records():
 
 def dataset_fn(input_context):  # each rank reads its own records
     return tf.data.Dataset.from_generator(
-        records, output_signature=tf.TensorSpec([2], tf.float32)).batch(4)
+        records, output_signature=tf.TensorSpec([2], tf.float32)
+    ).batch(4)
 
 
 with strategy.scope():
@@ -41,12 +42,15 @@ def train_step(batch):
     def replica_fn(x):
         replica = tf.distribute.get_replica_context().replica_id_in_sync_group
         if CASE == "in_step":
-            tf.debugging.Assert(tf.logical_or(replica != 1, step < BAD_STEP),
-                                ["loss is not finite on replica", replica])
+            tf.debugging.Assert(
+                tf.logical_or(replica != 1, step < BAD_STEP),
+                ["loss is not finite on replica", replica],
+            )
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.reduce_sum(x * w, axis=1) ** 2)
         optimizer.apply_gradients([(tape.gradient(loss, w), w)])
         return loss
+
     loss = strategy.run(replica_fn, args=(batch,))
     step.assign_add(1)
     return strategy.reduce("SUM", loss, axis=None)

@@ -5,6 +5,9 @@ built. The test shows that it fails, explaining which thread support it got
 and which it needs.
 """
 
-import mpi4py; mpi4py.rc.thread_level = 'funneled'
+import mpi4py
+
+mpi4py.rc.thread_level = "funneled"
 import mpi_strategy
+
 mpi_strategy.MPIStrategy()

@@ -9,6 +9,7 @@ of a write and shows that the latest checkpoint left behind still restores.
 import sys, time
 import numpy as np
 import tensorflow as tf
+
 variable = tf.Variable(np.zeros([4_000_000], np.float32))  # 16 MB per checkpoint
 manager = tf.train.CheckpointManager(tf.train.Checkpoint(v=variable), sys.argv[1], max_to_keep=2)
 step = 0

@@ -13,17 +13,20 @@ import mpi_strategy
 
 timeout = float(sys.argv[1])
 strategy = mpi_strategy.MPIStrategy(
-    communication_options=tf.distribute.experimental.CommunicationOptions(
-        timeout_seconds=timeout))
+    communication_options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
+)
 with strategy.scope():
     loss_metric = keras.metrics.Mean()
+
 
 @tf.function
 def step():
     def replica_fn():
         loss_metric.update_state(1.0)
         return tf.constant(1.0)
+
     return strategy.reduce("SUM", strategy.run(replica_fn), axis=None)
+
 
 for _ in range(3):
     step()

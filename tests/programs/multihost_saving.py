@@ -9,17 +9,19 @@ ones.
 """
 
 import argparse, json, os, socket
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 from mpi4py import MPI
 import tensorflow as tf
+
 tf.config.threading.set_intra_op_parallelism_threads(1)
 import keras
 import mpi_strategy
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
-parser.add_argument("--dirs", nargs="+", required=True)   # place=directory
+parser.add_argument("--dirs", nargs="+", required=True)  # place=directory
 args = parser.parse_args()
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -32,8 +34,13 @@ def written_bytes():
 
 
 def new_model():
-    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(UNITS, activation="relu"),
-                             keras.layers.Dense(2)])
+    return keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(UNITS, activation="relu"),
+            keras.layers.Dense(2),
+        ]
+    )
 
 
 strategy = mpi_strategy.MPIStrategy()
@@ -70,11 +77,18 @@ def load_keras(directory):
     return keras.models.load_model(os.path.join(directory, "x.keras")).get_weights()
 
 
-SAVES = {"CheckpointManager.save": (save_checkpoint, load_checkpoint),
-         "keras.Model.save": (save_keras, load_keras)}
+SAVES = {
+    "CheckpointManager.save": (save_checkpoint, load_checkpoint),
+    "keras.Model.save": (save_keras, load_keras),
+}
 node = world.Split_type(MPI.COMM_TYPE_SHARED)
-report = {"rank": rank, "host": socket.gethostname(), "node_rank": node.Get_rank(),
-          "node_size": node.Get_size(), "saves": {}}
+report = {
+    "rank": rank,
+    "host": socket.gethostname(),
+    "node_rank": node.Get_rank(),
+    "node_size": node.Get_size(),
+    "saves": {},
+}
 for place, directory in (d.split("=", 1) for d in args.dirs):
     for name, (save, load) in SAVES.items():
         before = written_bytes()
@@ -83,7 +97,8 @@ for place, directory in (d.split("=", 1) for d in args.dirs):
         try:
             weights = load(directory)
             entry["loaded"] = len(weights) == len(expected) and all(
-                np.array_equal(a, b) for a, b in zip(weights, expected))
+                np.array_equal(a, b) for a, b in zip(weights, expected)
+            )
         except Exception as e:  # reported; the test fails on it
             entry["error"] = f"{type(e).__name__}: {e}"[:500]
         report["saves"][f"{place} {name}"] = entry

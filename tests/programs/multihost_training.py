@@ -12,17 +12,19 @@ host ends the job.
 """
 
 import argparse, json, os, socket, subprocess, sys, time
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 from mpi4py import MPI
 import tensorflow as tf
+
 tf.config.threading.set_intra_op_parallelism_threads(1)
 import mpi_strategy
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--steps", type=int, required=True)
-parser.add_argument("--phases", default="[]")   # JSON: [{"name", "commands"}]: timed shaping phases
+parser.add_argument("--phases", default="[]")  # JSON: [{"name", "commands"}]: timed shaping phases
 parser.add_argument("--timed-steps", type=int, default=6)
 parser.add_argument("--warmup-steps", type=int, default=2)
 parser.add_argument("--until-killed", action="store_true")
@@ -38,6 +40,7 @@ def nbytes(buf):
 class CountingComm(MPI.Intracomm):
     """COMM_WORLD that logs each collective the strategy issues, with the bytes
     this rank contributes (blocking and nonblocking forms alike)."""
+
     log = []
 
     def _log(self, name, sendbuf, recvbuf=None):
@@ -90,17 +93,22 @@ dataset = tf.data.Dataset.from_tensor_slices((images, labels)).repeat().batch(gl
 batches = iter(strategy.experimental_distribute_dataset(dataset))
 
 with strategy.scope():
-    model = tf.keras.Sequential([tf.keras.Input((784,)),
-                                 tf.keras.layers.Dense(128, activation="relu"),
-                                 tf.keras.layers.Dense(10)])
+    model = tf.keras.Sequential(
+        [
+            tf.keras.Input((784,)),
+            tf.keras.layers.Dense(128, activation="relu"),
+            tf.keras.layers.Dense(10),
+        ]
+    )
     optimizer = tf.keras.optimizers.Adam(1e-3)
 loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
 
 def replica_step(x, y):
     with tf.GradientTape() as tape:
-        loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)),
-                                          global_batch_size=global_batch)
+        loss = tf.nn.compute_average_loss(
+            loss_fn(y, model(x, training=True)), global_batch_size=global_batch
+        )
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return loss
@@ -117,8 +125,13 @@ def step():
 
 losses = [step() for _ in range(args.steps)]
 node = world.Split_type(MPI.COMM_TYPE_SHARED)
-result = {"rank": rank, "host": socket.gethostname(), "ranks_on_node": node.Get_size(),
-          "losses": losses, "phases": []}
+result = {
+    "rank": rank,
+    "host": socket.gethostname(),
+    "ranks_on_node": node.Get_size(),
+    "losses": losses,
+    "phases": [],
+}
 np.savez(os.path.join(args.out, f"weights{rank}.npz"), *model.get_weights())
 
 for phase in json.loads(args.phases):
@@ -133,8 +146,9 @@ for phase in json.loads(args.phases):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    result["phases"].append({"name": phase["name"], "step_times": times,
-                             "collectives": list(CountingComm.log)})
+    result["phases"].append(
+        {"name": phase["name"], "step_times": times, "collectives": list(CountingComm.log)}
+    )
 
 with open(os.path.join(args.out, f"result{rank}.json"), "w") as f:
     json.dump(result, f)

@@ -34,8 +34,12 @@ def kill_myself(step):
 
 
 def deterministic_weights(model):
-    model.set_weights([np.sin(np.arange(w.size) * 0.7 + 1.0).reshape(w.shape).astype(np.float32)
-                       * 0.4 for w in model.get_weights()])
+    model.set_weights(
+        [
+            np.sin(np.arange(w.size) * 0.7 + 1.0).reshape(w.shape).astype(np.float32) * 0.4
+            for w in model.get_weights()
+        ]
+    )
 
 
 def examples(start_step):
@@ -43,16 +47,20 @@ def examples(start_step):
     # first `start_step` global batches consumed, then shards by rank.
     n = STEPS * GLOBAL_BATCH
     ds = tf.data.Dataset.range(n).skip(start_step * GLOBAL_BATCH)
-    ds = ds.map(lambda i: (tf.stack([tf.sin(tf.cast(i, tf.float32)),
-                                     tf.cos(tf.cast(i, tf.float32) * 0.3), 1.0]),
-                           tf.cast(i % 5, tf.float32) * 0.2))
+    ds = ds.map(
+        lambda i: (
+            tf.stack([tf.sin(tf.cast(i, tf.float32)), tf.cos(tf.cast(i, tf.float32) * 0.3), 1.0]),
+            tf.cast(i % 5, tf.float32) * 0.2,
+        )
+    )
     return strategy.experimental_distribute_dataset(ds.batch(GLOBAL_BATCH))
 
 
 def custom(ckpt_dir, kill_step):
     with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(4, "tanh"),
-                                     tf.keras.layers.Dense(1)])
+        model = tf.keras.Sequential(
+            [tf.keras.Input((3,)), tf.keras.layers.Dense(4, "tanh"), tf.keras.layers.Dense(1)]
+        )
         deterministic_weights(model)
         optimizer = tf.keras.optimizers.Adam(0.05)
         optimizer.build(model.trainable_variables)
@@ -68,15 +76,18 @@ def custom(ckpt_dir, kill_step):
         def replica_step(x, y):
             with tf.GradientTape() as tape:
                 loss = tf.reduce_sum((model(x)[:, 0] - y) ** 2) / GLOBAL_BATCH
-            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                          model.trainable_variables))
+            optimizer.apply_gradients(
+                zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            )
+
         strategy.run(replica_step, args=batch)
 
     for step, batch in enumerate(examples(start), start=start + 1):
         train_step(batch)
         if step % CKPT_EVERY == 0:  # every rank saves, rank 0 writes
             tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=2).save(
-                checkpoint_number=step)
+                checkpoint_number=step
+            )
         if rank == 1 and step == kill_step:
             kill_myself(step)
     return model
@@ -84,9 +95,11 @@ def custom(ckpt_dir, kill_step):
 
 def keras(backup_dir, kill_step):
     import keras
+
     with strategy.scope():
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
-                                  keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)]
+        )
         deterministic_weights(model)
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
     n = BATCHES_PER_EPOCH * GLOBAL_BATCH  # the same examples every epoch
@@ -102,8 +115,15 @@ def keras(backup_dir, kill_step):
             if rank == 1 and self.epoch * BATCHES_PER_EPOCH + batch + 1 == kill_step:
                 kill_myself(kill_step)
 
-    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                        callbacks=[keras.callbacks.BackupAndRestore(backup_dir), KillAt()])
+    history = model.fit(
+        x,
+        y,
+        batch_size=GLOBAL_BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[keras.callbacks.BackupAndRestore(backup_dir), KillAt()],
+    )
     report(event="fitted", variant="keras", epochs_run=len(history.history["loss"]))
     return model
 
@@ -112,7 +132,8 @@ def keras(backup_dir, kill_step):
 for run in sys.argv[6:]:
     variant, name, kill_step = run.split(":")
     model = {"custom": custom, "keras": keras}[variant](
-        os.path.join(WORKDIR, f"{variant}-{name}"), int(kill_step))
+        os.path.join(WORKDIR, f"{variant}-{name}"), int(kill_step)
+    )
     if rank == 0:
         np.savez(os.path.join(WORKDIR, f"{variant}-{name}.npz"), *model.get_weights())
     report(event="done", variant=variant, name=name)

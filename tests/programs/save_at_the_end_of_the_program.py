@@ -12,13 +12,17 @@ import numpy as np
 import tensorflow as tf
 import mpi_strategy
 from mpi4py import MPI
+
 strategy = mpi_strategy.MPIStrategy()
 with strategy.scope():
     weights = tf.Variable(tf.ones([1000]))
-    metric = tf.Variable(0.0, synchronization=tf.VariableSynchronization.ON_READ,
-                         aggregation=tf.VariableAggregation.SUM)
+    metric = tf.Variable(
+        0.0,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.SUM,
+    )
 strategy.run(lambda: metric.assign_add(1.0))
-if MPI.COMM_WORLD.Get_rank() == 0:   # the others end their program meanwhile
+if MPI.COMM_WORLD.Get_rank() == 0:  # the others end their program meanwhile
     if sys.argv[2] == "weights":
         tf.train.Checkpoint(w=weights).write(os.path.join(sys.argv[1], "ckpt"))
         print("SAVED", flush=True)

@@ -25,7 +25,7 @@ def listening_sockets():
         except OSError:  # closed meanwhile (e.g. the fd of listdir itself)
             continue
         if target.startswith("socket:["):
-            mine.add(target[len("socket:["):-1])
+            mine.add(target[len("socket:[") : -1])
     found = []
     for proto in ("tcp", "tcp6"):
         with open(f"/proc/net/{proto}") as f:
@@ -70,8 +70,9 @@ GLOBAL_BATCH = 8
 x = np.sin(np.arange(GLOBAL_BATCH * 5 * 3, dtype=np.float32)).reshape(-1, 3)
 y = (np.arange(len(x)) % 2).astype(np.float32)
 with strategy.scope():
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="relu"),
-                              keras.layers.Dense(1)])
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)]
+    )
     optimizer = keras.optimizers.Adam(0.01)
     optimizer.build(model.trainable_variables)
 
@@ -81,9 +82,11 @@ def train_step(batch):
     def replica_step(xb, yb):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum((model(xb)[:, 0] - yb) ** 2) / GLOBAL_BATCH
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                      model.trainable_variables))
+        optimizer.apply_gradients(
+            zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        )
         return loss
+
     losses = strategy.run(replica_step, args=batch)
     return strategy.reduce("SUM", losses, axis=None), strategy.gather(losses, axis=0)
 
@@ -128,6 +131,17 @@ for umask in (0o022, 0o077):
                 path = os.path.join(directory, name)
                 modes[os.path.relpath(path, OUT)] = os.stat(path).st_mode & 0o7777
 
-print("REPORT " + json.dumps(dict(
-    rank=rank, after_init=after_init, after_training=after_training,
-    during_training=during_training, hooks_work=hooks_work, modes=modes)), flush=True)
+print(
+    "REPORT "
+    + json.dumps(
+        dict(
+            rank=rank,
+            after_init=after_init,
+            after_training=after_training,
+            during_training=during_training,
+            hooks_work=hooks_work,
+            modes=modes,
+        )
+    ),
+    flush=True,
+)

@@ -9,6 +9,7 @@ or mpi_strategy (it asserts that neither was imported).
 import json, sys
 import numpy as np
 import tensorflow as tf
+
 held_out = np.load(sys.argv[1])
 features, labels = held_out["features"], held_out["labels"]
 out = {}

@@ -44,8 +44,16 @@ def main():
     else:
         train(state)
     if strategy.extended.rank == 0:
-        print(json.dumps({"ranks_at_end": strategy.extended.comm.Get_size(),
-                          "steps": state.step, "counter": float(counter.numpy())}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "ranks_at_end": strategy.extended.comm.Get_size(),
+                    "steps": state.step,
+                    "counter": float(counter.numpy()),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

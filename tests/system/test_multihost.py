@@ -31,9 +31,9 @@ from testing.launch import is_open_mpi, run_mpiexec
 
 pytestmark = pytest.mark.single_process
 
-TRAIN_STEPS = 6          # steps compared with the single-host run
-RATES_MBIT = (40, 10)    # tbf rate limits of the cost-model test
-DELAYS_MS = (5, 20)      # netem delays of the cost-model test (if the kernel has netem)
+TRAIN_STEPS = 6  # steps compared with the single-host run
+RATES_MBIT = (40, 10)  # tbf rate limits of the cost-model test
+DELAYS_MS = (5, 20)  # netem delays of the cost-model test (if the kernel has netem)
 TIMED_STEPS, WARMUP_STEPS = 6, 2
 KILL_DEADLINE_S = 30
 # What a rank that does not save may write: autograph's sources on a first call,
@@ -94,7 +94,12 @@ def _launch(n, program, out_dir, extra_args=(), cluster=None, silence=240, durin
         code, out = run_mpiexec(n, argv, silence=silence, env=env)
     finally:
         launched.set()
-    info = {"code": code, "out": out, "ended": time.monotonic(), "seconds": time.monotonic() - start}
+    info = {
+        "code": code,
+        "out": out,
+        "ended": time.monotonic(),
+        "seconds": time.monotonic() - start,
+    }
     if watcher is not None:
         watcher.join(timeout=10)
     if cluster is not None:
@@ -129,16 +134,29 @@ def _phases(cluster):
     if netns_cluster.netem_available():
         phases += [(f"delay {d} ms", {"delay_ms": d}) for d in DELAYS_MS]
     phases.append(("none again", {}))  # also leaves the links unshaped
-    return [{"name": name, "shaping": shaping, "commands": cluster.shaping_commands(**shaping)}
-            for name, shaping in phases]
+    return [
+        {"name": name, "shaping": shaping, "commands": cluster.shaping_commands(**shaping)}
+        for name, shaping in phases
+    ]
 
 
 def _timed_two_hosts(cluster, program, out_dir, phases, extra_args=()):
     """2 namespace hosts: the compared training steps, then the timed ``phases``."""
-    info = _launch(2, program, out_dir, cluster=cluster,
-                   extra_args=[*extra_args, "--phases", json.dumps(phases),
-                               "--timed-steps", str(TIMED_STEPS),
-                               "--warmup-steps", str(WARMUP_STEPS)])
+    info = _launch(
+        2,
+        program,
+        out_dir,
+        cluster=cluster,
+        extra_args=[
+            *extra_args,
+            "--phases",
+            json.dumps(phases),
+            "--timed-steps",
+            str(TIMED_STEPS),
+            "--warmup-steps",
+            str(WARMUP_STEPS),
+        ],
+    )
     info["phase_specs"] = phases
     return info
 
@@ -146,17 +164,26 @@ def _timed_two_hosts(cluster, program, out_dir, phases, extra_args=()):
 @pytest.fixture(scope="module")
 def two_hosts(cluster, program, tmp_path_factory):
     """2 namespace hosts: the compared training steps, then the timed shaping phases."""
-    return _timed_two_hosts(cluster, program, str(tmp_path_factory.mktemp("two_hosts")),
-                            _phases(cluster))
+    return _timed_two_hosts(
+        cluster, program, str(tmp_path_factory.mktemp("two_hosts")), _phases(cluster)
+    )
 
 
 @pytest.fixture(scope="module")
 def two_hosts_float16(cluster, program, tmp_path_factory):
     """2 namespace hosts training with compression="float16", then the 10 Mbit/s phase."""
-    phases = [p for p in _phases(cluster) if p["shaping"].get("rate_mbit", 10) == 10
-              and "delay_ms" not in p["shaping"]]
-    return _timed_two_hosts(cluster, program, str(tmp_path_factory.mktemp("two_hosts_float16")),
-                            phases, extra_args=["--compression", "float16"])
+    phases = [
+        p
+        for p in _phases(cluster)
+        if p["shaping"].get("rate_mbit", 10) == 10 and "delay_ms" not in p["shaping"]
+    ]
+    return _timed_two_hosts(
+        cluster,
+        program,
+        str(tmp_path_factory.mktemp("two_hosts_float16")),
+        phases,
+        extra_args=["--compression", "float16"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +207,15 @@ def three_hosts(cluster, program, tmp_path_factory):
                 killed.setdefault("pids", []).append(pid)
         killed["at"] = time.monotonic()
 
-    info = _launch(3, program, out_dir, cluster=cluster, extra_args=["--until-killed"],
-                   during=kill_host_1_mid_training, silence=240)
+    info = _launch(
+        3,
+        program,
+        out_dir,
+        cluster=cluster,
+        extra_args=["--until-killed"],
+        during=kill_host_1_mid_training,
+        silence=240,
+    )
     info["killed"] = killed
     info["victim"] = victim
     # mpiexec may return while a SIGKILLed rank is still being torn down:
@@ -190,8 +224,7 @@ def three_hosts(cluster, program, tmp_path_factory):
     while True:
         left = {h: [f"{pid} {_comm(pid)}" for pid in cluster.pids(h)] for h in cluster.hosts}
         left = {h: pids for h, pids in left.items() if pids}
-        left_in_root = [f"{pid} {_cmdline(pid)}" for pid in _all_pids()
-                        if out_dir in _cmdline(pid)]
+        left_in_root = [f"{pid} {_cmdline(pid)}" for pid in _all_pids() if out_dir in _cmdline(pid)]
         if (not left and not left_in_root) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -236,19 +269,26 @@ def test_training_across_hosts_matches_single_host(n, cluster, single_host, requ
     assert [r["ranks_on_node"] for r in multi["results"]] == [1] * n
     assert [r["ranks_on_node"] for r in ref["results"]] == [n] * n
     grad_bytes = sum(w.nbytes for w in multi["results"][0]["weights"])
-    print(f"\n{n} hosts: bytes sent by each host: {multi['sent']} "
-          f"({TRAIN_STEPS} steps x {grad_bytes} gradient bytes, plus timing phases)")
+    print(
+        f"\n{n} hosts: bytes sent by each host: {multi['sent']} "
+        f"({TRAIN_STEPS} steps x {grad_bytes} gradient bytes, plus timing phases)"
+    )
     for host, sent in multi["sent"].items():
         # Every host sends at least half of each step's gradient buffer in the
         # allreduce (ring / recursive halving); via shared memory it would be ~0.
         assert sent >= TRAIN_STEPS * grad_bytes // 2, (host, sent)
 
-    worst_loss = max(abs(a - b) for a, b in zip(multi["results"][0]["losses"],
-                                                 ref["results"][0]["losses"]))
-    worst_weight = max(float(np.max(np.abs(a - b))) for a, b in zip(
-        multi["results"][0]["weights"], ref["results"][0]["weights"]))
-    print(f"{n} hosts vs mpiexec -n {n} on one host: max |loss diff| {worst_loss:.3g}, "
-          f"max |weight diff| {worst_weight:.3g} over {TRAIN_STEPS} steps")
+    worst_loss = max(
+        abs(a - b) for a, b in zip(multi["results"][0]["losses"], ref["results"][0]["losses"])
+    )
+    worst_weight = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(multi["results"][0]["weights"], ref["results"][0]["weights"])
+    )
+    print(
+        f"{n} hosts vs mpiexec -n {n} on one host: max |loss diff| {worst_loss:.3g}, "
+        f"max |weight diff| {worst_weight:.3g} over {TRAIN_STEPS} steps"
+    )
     for run in (multi, ref):
         for r in run["results"][1:]:
             for a, b in zip(r["weights"], run["results"][0]["weights"]):
@@ -283,8 +323,8 @@ def test_training_across_hosts_matches_single_host(n, cluster, single_host, requ
 # (one one-way trip), except the large Allreduce, which MPICH runs as
 # reduce-scatter + allgather (two trips). With delay d on each host's egress:
 #     t(delay) = t(unshaped) + (collectives + 1) * d
-RATE_TOLERANCE = (0.75, 1.35)   # measured extra time / predicted (2 shared cores)
-DELAY_TOLERANCE = (0.7, 1.6)    # looser: UCX's rendezvous handshake may add a trip
+RATE_TOLERANCE = (0.75, 1.35)  # measured extra time / predicted (2 shared cores)
+DELAY_TOLERANCE = (0.7, 1.6)  # looser: UCX's rendezvous handshake may add a trip
 
 
 def _wire_bytes(payload):
@@ -300,22 +340,27 @@ def test_step_time_follows_alpha_beta_model(two_hosts):
     grad_bytes = sum(w.nbytes for w in rank0["weights"])
     collectives = phases[0]["collectives"]
     per_step = len(collectives) // TIMED_STEPS
-    steps = [collectives[i * per_step:(i + 1) * per_step] for i in range(TIMED_STEPS)]
-    assert len(collectives) == per_step * TIMED_STEPS and all(s == steps[0] for s in steps), \
+    steps = [collectives[i * per_step : (i + 1) * per_step] for i in range(TIMED_STEPS)]
+    assert len(collectives) == per_step * TIMED_STEPS and all(s == steps[0] for s in steps), (
         f"steps issue different collectives: {collectives}"
+    )
     large = [c for c in steps[0] if c[1] >= 1024]
     # (The fused buffer may pad its members for alignment: allow a few bytes each.)
-    assert (len(large) == 1 and large[0][0] == "Allreduce"
-            and grad_bytes <= large[0][1] <= grad_bytes + 1024), \
-        f"expected one fused gradient Allreduce of ~{grad_bytes} bytes per step: {steps[0]}"
+    assert (
+        len(large) == 1
+        and large[0][0] == "Allreduce"
+        and grad_bytes <= large[0][1] <= grad_bytes + 1024
+    ), f"expected one fused gradient Allreduce of ~{grad_bytes} bytes per step: {steps[0]}"
     payload = sum(b for _, b in steps[0])
     wire = sum(_wire_bytes(b) for _, b in steps[0])
 
     median = {p["name"]: float(np.median(p["step_times"])) for p in phases}
     base = min(median["none"], median["none again"])
-    lines = [f"per step: {per_step} collectives {steps[0]}",
-             f"unshaped: {base * 1e3:.1f} ms/step; {payload} payload bytes per host per "
-             f"step ({wire} on the wire)"]
+    lines = [
+        f"per step: {per_step} collectives {steps[0]}",
+        f"unshaped: {base * 1e3:.1f} ms/step; {payload} payload bytes per host per "
+        f"step ({wire} on the wire)",
+    ]
     failures = []
     for spec in two_hosts["phase_specs"]:
         shaping = spec["shaping"]
@@ -329,10 +374,12 @@ def test_step_time_follows_alpha_beta_model(two_hosts):
             low, high = RATE_TOLERANCE
         extra = median[spec["name"]] - base
         ratio = extra / extra_predicted
-        lines.append(f"{spec['name']}: measured {median[spec['name']] * 1e3:.1f} ms/step, "
-                     f"predicted {(base + extra_predicted) * 1e3:.1f} ms "
-                     f"(extra {extra * 1e3:.1f} vs {extra_predicted * 1e3:.1f} ms, "
-                     f"ratio {ratio:.2f}, allowed {low}-{high})")
+        lines.append(
+            f"{spec['name']}: measured {median[spec['name']] * 1e3:.1f} ms/step, "
+            f"predicted {(base + extra_predicted) * 1e3:.1f} ms "
+            f"(extra {extra * 1e3:.1f} vs {extra_predicted * 1e3:.1f} ms, "
+            f"ratio {ratio:.2f}, allowed {low}-{high})"
+        )
         if not low <= ratio <= high:
             failures.append(spec["name"])
     if not any("delay_ms" in s["shaping"] for s in two_hosts["phase_specs"]):
@@ -346,8 +393,7 @@ def _extra_time_at(info, rate_mbit):
     return median[f"rate {rate_mbit} Mbit/s"] - min(median["none"], median["none again"])
 
 
-def test_float16_compression_halves_gradient_bytes_and_bandwidth_time(two_hosts,
-                                                                      two_hosts_float16):
+def test_float16_compression_halves_gradient_bytes_and_bandwidth_time(two_hosts, two_hosts_float16):
     _assert_ran(two_hosts)
     _assert_ran(two_hosts_float16)
     compressed = two_hosts_float16["results"]
@@ -361,17 +407,20 @@ def test_float16_compression_halves_gradient_bytes_and_bandwidth_time(two_hosts,
     # compression.MIN_BYTES) crosses as 16-bit values: rank 0 sends half of
     # its Alltoall buffer and all of its Allgatherv slice, 2 x 100,352 bytes.
     phase = compressed[0]["phases"][0]
-    step = phase["collectives"][:len(phase["collectives"]) // TIMED_STEPS]
+    step = phase["collectives"][: len(phase["collectives"]) // TIMED_STEPS]
     kernel = weights[0].size
     alltoall = [b for name, b in step if name == "Alltoall"]
     assert alltoall == [kernel * 2], step
     assert not [b for name, b in step if name == "Allreduce" and b >= kernel], step
-    assert [b for name, b in step if name == "Allgatherv" and b >= kernel // 2] == [
-        kernel + 8], step  # + the 8-byte row-count header
+    assert [b for name, b in step if name == "Allgatherv" and b >= kernel // 2] == [kernel + 8], (
+        step
+    )  # + the 8-byte row-count header
 
     plain, half = _extra_time_at(two_hosts, 10), _extra_time_at(two_hosts_float16, 10)
-    print(f"\nextra step time at 10 Mbit/s: float32 {plain * 1e3:.1f} ms, "
-          f"float16 {half * 1e3:.1f} ms (ratio {half / plain:.2f})")
+    print(
+        f"\nextra step time at 10 Mbit/s: float32 {plain * 1e3:.1f} ms, "
+        f"float16 {half * 1e3:.1f} ms (ratio {half / plain:.2f})"
+    )
     assert 0.35 <= half / plain <= 0.7, (plain, half)
 
 
@@ -380,16 +429,21 @@ def test_killing_one_host_ends_the_job(three_hosts):
     info = three_hosts
     plain = re.sub(r"\[\d+\] ?", "", info["out"])
     assert info["killed"].get("pids"), (
-        f"no python found to kill on {info['victim']}:\n{info['out'][-5000:]}")
+        f"no python found to kill on {info['victim']}:\n{info['out'][-5000:]}"
+    )
     after_kill = info["ended"] - info["killed"]["at"]
-    print(f"\njob ended {after_kill:.1f} s after SIGKILL of {info['victim']}'s python, "
-          f"exit code {info['code']}; MPICH printed:\n"
-          + "\n".join(line for line in plain.splitlines() if line.strip())[-3000:])
+    print(
+        f"\njob ended {after_kill:.1f} s after SIGKILL of {info['victim']}'s python, "
+        f"exit code {info['code']}; MPICH printed:\n"
+        + "\n".join(line for line in plain.splitlines() if line.strip())[-3000:]
+    )
     assert info["code"] != 0
     assert after_kill < KILL_DEADLINE_S
     assert "BAD TERMINATION" in plain and info["victim"] in plain, plain[-3000:]
-    print(f"last process of the job gone {info['all_gone'] - info['killed']['at']:.1f} s "
-          "after the SIGKILL")
+    print(
+        f"last process of the job gone {info['all_gone'] - info['killed']['at']:.1f} s "
+        "after the SIGKILL"
+    )
     assert info["left_in_namespaces"] == {}, "processes left on the hosts"
     assert info["left_in_root"] == [], "processes of the job left on the launching node"
     assert info["all_gone"] - info["killed"]["at"] < KILL_DEADLINE_S
@@ -402,8 +456,11 @@ RANKS_PER_HOST = 2
 
 
 def _files(directory):
-    return {os.path.relpath(os.path.join(d, f), directory): os.path.getsize(os.path.join(d, f))
-            for d, _, files in os.walk(directory) for f in files}
+    return {
+        os.path.relpath(os.path.join(d, f), directory): os.path.getsize(os.path.join(d, f))
+        for d, _, files in os.walk(directory)
+        for f in files
+    }
 
 
 def test_save_lands_once_per_filesystem_shared_and_node_local(tmp_path):
@@ -414,13 +471,23 @@ def test_save_lands_once_per_filesystem_shared_and_node_local(tmp_path):
     hosts = _new_cluster(2, private_dirs=(str(local),))
     try:
         n = hosts.n_hosts * RANKS_PER_HOST
-        argv = [*hosts.mpiexec_args(ranks_per_host=RANKS_PER_HOST), sys.executable,
-                SAVE_PROGRAM, "--out", str(out), "--dirs", f"shared={shared}", f"local={local}"]
+        argv = [
+            *hosts.mpiexec_args(ranks_per_host=RANKS_PER_HOST),
+            sys.executable,
+            SAVE_PROGRAM,
+            "--out",
+            str(out),
+            "--dirs",
+            f"shared={shared}",
+            f"local={local}",
+        ]
         code, output = run_mpiexec(n, argv, silence=300, env=hosts.mpi_env())
         assert code == 0, output[-5000:]
         reports = [json.loads((out / f"report{r}.json").read_text()) for r in range(n)]
-        copies = {"shared": {"all": _files(shared)}, "local": {
-            h: _files(hosts.private_copy(h, str(local))) for h in hosts.hosts}}
+        copies = {
+            "shared": {"all": _files(shared)},
+            "local": {h: _files(hosts.private_copy(h, str(local))) for h in hosts.hosts},
+        }
         local_seen_from_root = _files(local)
     finally:
         hosts.close()
@@ -428,35 +495,50 @@ def test_save_lands_once_per_filesystem_shared_and_node_local(tmp_path):
     # The layout the write points rely on: ranks fill hosts in order, and each
     # host is one MPI node (COMM_TYPE_SHARED), whatever its hostname.
     assert [(r["host"], r["node_rank"], r["node_size"]) for r in reports] == [
-        (h, i, RANKS_PER_HOST) for h in hosts.hosts for i in range(RANKS_PER_HOST)]
-    writers = {"shared": {0}, "local": {min(r["rank"] for r in reports if r["host"] == h)
-                                         for h in hosts.hosts}}
+        (h, i, RANKS_PER_HOST) for h in hosts.hosts for i in range(RANKS_PER_HOST)
+    ]
+    writers = {
+        "shared": {0},
+        "local": {min(r["rank"] for r in reports if r["host"] == h) for h in hosts.hosts},
+    }
     lines, failures = [], []
     for key in reports[0]["saves"]:
         place = key.split()[0]
         row = {r["rank"]: r["saves"][key] for r in reports}
-        lines.append(f"{key}: write_bytes per rank "
-                     f"{ {rank: e['write_bytes'] for rank, e in row.items()} }")
+        lines.append(
+            f"{key}: write_bytes per rank { {rank: e['write_bytes'] for rank, e in row.items()} }"
+        )
         for rank, entry in row.items():
             if not entry["loaded"]:
-                failures.append(f"{key}: rank {rank} could not load its copy: "
-                                f"{entry.get('error', 'different weights')}")
+                failures.append(
+                    f"{key}: rank {rank} could not load its copy: "
+                    f"{entry.get('error', 'different weights')}"
+                )
             written = entry["write_bytes"]
             if rank in writers[place] and written < 1 << 20:
-                failures.append(f"{key}: rank {rank} should write its filesystem's copy "
-                                f"but wrote {written} bytes")
+                failures.append(
+                    f"{key}: rank {rank} should write its filesystem's copy "
+                    f"but wrote {written} bytes"
+                )
             if rank not in writers[place] and written > FIRST_CALL_BYTES:
                 failures.append(f"{key}: rank {rank} wrote {written} bytes (a second copy?)")
-    lines += [f"{place} copy at {where}: {sorted(files)} ({sum(files.values())} bytes)"
-              for place, by_host in copies.items() for where, files in by_host.items()]
+    lines += [
+        f"{place} copy at {where}: {sorted(files)} ({sum(files.values())} bytes)"
+        for place, by_host in copies.items()
+        for where, files in by_host.items()
+    ]
     print("\n" + "\n".join(lines))
     assert not failures, "\n".join(failures + lines)
 
     # One complete copy per filesystem and nothing else (no probe files, no
     # temporary files): the shared directory holds one, each host's node-local
     # directory its own, and the node-local writes never reached the shared disk.
-    expected = {"ckpt/checkpoint", "ckpt/ckpt-1.index", "ckpt/ckpt-1.data-00000-of-00001",
-                "x.keras"}
+    expected = {
+        "ckpt/checkpoint",
+        "ckpt/ckpt-1.index",
+        "ckpt/ckpt-1.data-00000-of-00001",
+        "x.keras",
+    }
     assert set(copies["shared"]["all"]) == expected, copies
     for host, files in copies["local"].items():
         assert set(files) == expected, (host, copies)

@@ -33,7 +33,7 @@ def aligned_empty(shape: int | tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + ALIGN_BYTES, np.uint8)
     start = -raw.ctypes.data % ALIGN_BYTES
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 class BufferPool:
@@ -94,8 +94,7 @@ class _Slot:
         self.lease: Callable[[], np.ndarray | None] = _dead  # free: "no lease is alive"
 
 
-def pack(arrays: Sequence[np.ndarray],
-         pool: BufferPool) -> tuple[np.ndarray, list[np.ndarray]]:
+def pack(arrays: Sequence[np.ndarray], pool: BufferPool) -> tuple[np.ndarray, list[np.ndarray]]:
     """``arrays`` copied back to back into one pooled buffer, each start aligned.
 
     The padding between them is zero, so one MPI call can reduce the whole
@@ -111,7 +110,7 @@ def pack(arrays: Sequence[np.ndarray],
     buffer = pool.empty(total, dtype)
     views = []
     for a, start, end in zip(arrays, offsets, [*offsets[1:], total]):
-        buffer[start:start + a.size] = a.reshape(-1)
-        buffer[start + a.size:end] = 0
-        views.append(buffer[start:start + a.size].reshape(a.shape))
+        buffer[start : start + a.size] = a.reshape(-1)
+        buffer[start + a.size : end] = 0
+        views.append(buffer[start : start + a.size].reshape(a.shape))
     return buffer, views

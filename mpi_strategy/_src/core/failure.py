@@ -47,8 +47,9 @@ def aborting() -> bool:
     return _state["aborting"]
 
 
-def end_the_job(exc_type: type[BaseException], exc: BaseException,
-                tb: TracebackType | None) -> None:
+def end_the_job(
+    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+) -> None:
     """The uncaught exception's traceback, tagged with the rank, then the end
     of the job (``MPI_Abort``; under ULFM see ``_leave_under_ulfm``). A
     ``KeyboardInterrupt`` (Ctrl-C) ends it like any other exception."""
@@ -61,7 +62,8 @@ def end_the_job(exc_type: type[BaseException], exc: BaseException,
     sys.stderr.write(
         f"mpi_strategy: uncaught exception on rank {rank} of {size} ({summary}); "
         f"{_what_happens_now(exc)} so that no rank waits for it.\n"
-        + "".join(traceback.format_exception(exc_type, exc, tb)))
+        + "".join(traceback.format_exception(exc_type, exc, tb))
+    )
     sys.stderr.flush()
     sys.stdout.flush()
     time.sleep(1.0)  # lets the launcher forward the traceback before the abort

@@ -109,7 +109,7 @@ def allgather_text(comm: MPI.Intracomm, text: str) -> list[str]:
     received = np.empty(int(counts.sum()), np.uint8)
     comm.Allgatherv(data, [received, (counts.tolist(), None), MPI.BYTE])
     offsets = np.concatenate([[0], np.cumsum(counts)])
-    return [os.fsdecode(bytes(received[offsets[r]:offsets[r + 1]])) for r in range(len(counts))]
+    return [os.fsdecode(bytes(received[offsets[r] : offsets[r + 1]])) for r in range(len(counts))]
 
 
 def _nearest_existing(directory: str) -> str:

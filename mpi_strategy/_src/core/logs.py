@@ -36,6 +36,7 @@ def set_rank(rank: int, size: int) -> None:
     (called again when ranks were lost and the survivors renumbered)."""
     for handler in logger.handlers:
         if isinstance(handler, _RankTaggedHandler):
-            handler.setFormatter(logging.Formatter(
-                f"[mpi_strategy rank {rank}/{size}] %(levelname)s: %(message)s"))
+            handler.setFormatter(
+                logging.Formatter(f"[mpi_strategy rank {rank}/{size}] %(levelname)s: %(message)s")
+            )
     logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)

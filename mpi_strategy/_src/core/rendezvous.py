@@ -53,6 +53,7 @@ class Kind:
     collective such a rank makes meanwhile. ``blame``: the advice when a rank
     in this kind meets ranks in another (it names the likely cause).
     """
+
     code: int
     name: str
     advice: str = ""
@@ -73,26 +74,71 @@ def register_kind(kind: Kind) -> Kind:
     _KINDS[kind.code] = kind
     return kind
 
-ALLREDUCE = register_kind(Kind(1, "allreduce", (
-    "Element-wise reductions need tensors of one shape and dtype on every rank; "
-    "per-replica batches of different sizes can only be reduced along an axis "
-    "(strategy.reduce(..., axis=0)) or gathered.")))
-ALLGATHER = register_kind(Kind(2, "all_gather", (
-    "Every rank must gather the same tensors, each of one dtype and with "
-    "shapes that agree except along the gather axis.")))
-BROADCAST = register_kind(Kind(3, "broadcast", (
-    "All ranks must create the same variables, in the same order, with the "
-    "same shapes and dtypes (build the model identically on every rank).")))
-ALLTOALL = register_kind(Kind(4, "alltoall", (
-    "A compressed reduction (compression=...) needs the same tensors on every "
-    "rank; the ranks are reducing different gradients (build the model "
-    "identically on every rank) or use different compression settings.")))
+
+ALLREDUCE = register_kind(
+    Kind(
+        1,
+        "allreduce",
+        (
+            "Element-wise reductions need tensors of one shape and dtype on every rank; "
+            "per-replica batches of different sizes can only be reduced along an axis "
+            "(strategy.reduce(..., axis=0)) or gathered."
+        ),
+    )
+)
+ALLGATHER = register_kind(
+    Kind(
+        2,
+        "all_gather",
+        (
+            "Every rank must gather the same tensors, each of one dtype and with "
+            "shapes that agree except along the gather axis."
+        ),
+    )
+)
+BROADCAST = register_kind(
+    Kind(
+        3,
+        "broadcast",
+        (
+            "All ranks must create the same variables, in the same order, with the "
+            "same shapes and dtypes (build the model identically on every rank)."
+        ),
+    )
+)
+ALLTOALL = register_kind(
+    Kind(
+        4,
+        "alltoall",
+        (
+            "A compressed reduction (compression=...) needs the same tensors on every "
+            "rank; the ranks are reducing different gradients (build the model "
+            "identically on every rank) or use different compression settings."
+        ),
+    )
+)
 # (5 and 6: a save and its end, features/saving/write_point.py)
 FINALIZE = register_kind(Kind(7, "the end of the program", meeting=True))
 
-_DTYPES = [np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64, np.float16,
-                                 np.bool_, np.uint8, np.int8, np.int16, np.uint16,
-                                 np.uint32, np.uint64, np.complex64, np.complex128)]
+_DTYPES = [
+    np.dtype(t)
+    for t in (
+        np.float32,
+        np.float64,
+        np.int32,
+        np.int64,
+        np.float16,
+        np.bool_,
+        np.uint8,
+        np.int8,
+        np.int16,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+        np.complex64,
+        np.complex128,
+    )
+]
 _DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
 
 # Signature fields: collective number; kind, dtype, elements (per row for
@@ -128,9 +174,17 @@ def _dtype_name(code: int) -> str:
     return _DTYPES[code].name if code < len(_DTYPES) else f"dtype#{code - 1000}"
 
 
-def signature(seq: int, kind: Kind, dtype: Any, shapes: Sequence[Shape], rows: int = 0,
-              nbytes: int = 0, tag: str = "", solo: Kind | None = None,
-              token_step: int = 0) -> np.ndarray:
+def signature(
+    seq: int,
+    kind: Kind,
+    dtype: Any,
+    shapes: Sequence[Shape],
+    rows: int = 0,
+    nbytes: int = 0,
+    tag: str = "",
+    solo: Kind | None = None,
+    token_step: int = 0,
+) -> np.ndarray:
     """The fixed-size description of a collective that every rank compares.
 
     ``shapes``: the shapes that must agree (of each tensor packed into an
@@ -142,13 +196,27 @@ def signature(seq: int, kind: Kind, dtype: Any, shapes: Sequence[Shape], rows: i
     """
     dtypes = tuple(dtype) if isinstance(dtype, (list, tuple)) else (dtype,)
     code, count, layout = _layout(tuple(tuple(shape) for shape in shapes), dtypes, tag)
-    return np.array([seq, kind.code, code, count, len(shapes), layout,
-                     solo.code if solo else 0, token_step, rows, nbytes], np.int64)
+    return np.array(
+        [
+            seq,
+            kind.code,
+            code,
+            count,
+            len(shapes),
+            layout,
+            solo.code if solo else 0,
+            token_step,
+            rows,
+            nbytes,
+        ],
+        np.int64,
+    )
 
 
 @functools.lru_cache(maxsize=4096)
-def _layout(shapes: tuple[tuple[int, ...], ...], dtypes: tuple[Any, ...],
-            tag: str) -> tuple[int, int, int]:
+def _layout(
+    shapes: tuple[tuple[int, ...], ...], dtypes: tuple[Any, ...], tag: str
+) -> tuple[int, int, int]:
     """(first dtype's code, elements, hash of shapes, dtypes and tag): the same few
     collectives recur every step, so each is worked out once."""
     ints = [tuple(int(d) for d in shape) for shape in shapes]
@@ -171,10 +239,11 @@ def describe(signature: np.ndarray) -> str:
         kind = f"({_kind(signature[_SOLO]).solo_label}) " + kind
     if of == ALLGATHER:
         if signature[_TENSORS] != 1:
-            return (f"all_gather of {signature[_TENSORS]} tensors ({signature[_ROWS]} rows, "
-                    f"{signature[_COUNT]} elements per row in all)")
-        return (f"all_gather of {signature[_ROWS]} rows of {signature[_COUNT]} "
-                f"{dtype} elements")
+            return (
+                f"all_gather of {signature[_TENSORS]} tensors ({signature[_ROWS]} rows, "
+                f"{signature[_COUNT]} elements per row in all)"
+            )
+        return f"all_gather of {signature[_ROWS]} rows of {signature[_COUNT]} {dtype} elements"
     packed = f" in {signature[_TENSORS]} tensors" if signature[_TENSORS] != 1 else ""
     return f"{kind} of {signature[_COUNT]} {dtype} elements{packed}"
 
@@ -183,21 +252,27 @@ _ORDER_ADVICE = (
     "The ranks are running different collectives: every rank must run the same steps, "
     "in the same order. Common causes: reading a metric or calling strategy.reduce / "
     "gather on some ranks only (e.g. under `if rank == 0`), or ranks that build "
-    "different models or take different branches in Python.")
+    "different models or take different branches in Python."
+)
 _CONSTANT_ADVICE = (
     "The ranks agree on this collective but assigned different constants before it "
     "(since the previous collective of this communicator) to a variable whose "
     "aggregation is ONLY_FIRST_REPLICA, such as optimizer.iterations. Such a constant "
     "is not sent (a one-process program has one value for it): compute it the same "
-    "way on every rank, or assign a tensor (which rank 0 then sends to every rank).")
+    "way on every rank, or assign a tensor (which rank 0 then sends to every rank)."
+)
 
 
 class Rendezvous:
     """Signature agreement (and, optionally, a timeout) for one communicator."""
 
-    def __init__(self, comm: MPI.Intracomm, name_missing_ranks: bool = False,
-                 mismatch_error: ErrorClass = MPIStrategyError,
-                 timeout_error: ErrorClass = MPIStrategyError) -> None:
+    def __init__(
+        self,
+        comm: MPI.Intracomm,
+        name_missing_ranks: bool = False,
+        mismatch_error: ErrorClass = MPIStrategyError,
+        timeout_error: ErrorClass = MPIStrategyError,
+    ) -> None:
         """``name_missing_ranks``: announce every collective to the other ranks
         on a duplicate of ``comm`` (created here, so collectively), so that a
         timeout can say which ranks never arrived. ``mismatch_error`` and
@@ -215,11 +290,11 @@ class Rendezvous:
         self._mismatch_error, self._timeout_error = mismatch_error, timeout_error
         self.solo: Kind | None = None  # the partial meeting this rank is in without the others
         self.solo_with: list[int] = []  # after a partial meeting: the ranks in the same one
-        self.usable = True         # False once a timeout left a request pending
+        self.usable = True  # False once a timeout left a request pending
         self.disagreed: list[Kind] = []  # the kinds the ranks were in at the last mismatch
         self._received = np.empty((0, 0), np.uint8)  # every rank's record of the last exchange
-        self._token = 0            # the ordering token of the previous collective
-        self.agreed_at = 0.0       # time.perf_counter() when the last agreement completed
+        self._token = 0  # the ordering token of the previous collective
+        self.agreed_at = 0.0  # time.perf_counter() when the last agreement completed
 
     @property
     def seq(self) -> int:
@@ -231,9 +306,16 @@ class Rendezvous:
         """The most data bytes a rank's record carries (see ``agree_carrying``)."""
         return record_bytes(self._size) - _SIGNATURE_BYTES
 
-    def agree_carrying(self, data: np.ndarray, kind: Kind, dtype: Any, shapes: Sequence[Shape],
-                       rows: int = 0, timeout: float | None = None,
-                       token: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    def agree_carrying(
+        self,
+        data: np.ndarray,
+        kind: Kind,
+        dtype: Any,
+        shapes: Sequence[Shape],
+        rows: int = 0,
+        timeout: float | None = None,
+        token: int | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """``agree``, with this rank's ``data`` (a 1-D uint8 array) in the same message.
 
         Returns ``(everyone, carried)``: ``everyone`` as from ``agree`` (its
@@ -243,16 +325,33 @@ class Rendezvous:
         ``carry_bytes``; then the caller moves the data with its own MPI call.
         """
         fits = data.size <= self.carry_bytes
-        everyone = self.agree(kind, dtype, shapes, rows=rows, nbytes=data.size,
-                              timeout=timeout, token=token, _data=data if fits else None)
+        everyone = self.agree(
+            kind,
+            dtype,
+            shapes,
+            rows=rows,
+            nbytes=data.size,
+            timeout=timeout,
+            token=token,
+            _data=data if fits else None,
+        )
         assert everyone is not None  # (a data collective is never partial)
         if everyone[:, _BYTES].max() > self.carry_bytes:
             return everyone, None
         return everyone, self._received[:, _SIGNATURE_BYTES:]
 
-    def agree(self, kind: Kind, dtype: Any, shapes: Sequence[Shape], rows: int = 0,
-              nbytes: int = 0, timeout: float | None = None, tag: str = "",
-              token: int | None = None, _data: np.ndarray | None = None) -> np.ndarray | None:
+    def agree(
+        self,
+        kind: Kind,
+        dtype: Any,
+        shapes: Sequence[Shape],
+        rows: int = 0,
+        nbytes: int = 0,
+        timeout: float | None = None,
+        tag: str = "",
+        token: int | None = None,
+        _data: np.ndarray | None = None,
+    ) -> np.ndarray | None:
         """Blocks until every rank has entered this collective; raises if they differ.
 
         ``shapes`` must be equal on all ranks (see ``signature``); ``timeout``
@@ -277,8 +376,11 @@ class Rendezvous:
             token_step, self._token = token - self._token, token
         while True:
             everyone = self._exchange(
-                signature(self._seq, kind, dtype, shapes, rows, nbytes, tag,
-                          self.solo, token_step), _data, shapes, timeout)
+                signature(self._seq, kind, dtype, shapes, rows, nbytes, tag, self.solo, token_step),
+                _data,
+                shapes,
+                timeout,
+            )
             partial = [_kind(code).partial for code in everyone[:, _KIND].tolist()]
             differ = np.any(everyone[:, _MUST_AGREE] != everyone[0, _MUST_AGREE])
             if not (differ and any(partial)):
@@ -293,13 +395,18 @@ class Rendezvous:
         self.agreed_at = time.perf_counter()
         return everyone
 
-    def _exchange(self, mine: np.ndarray, data: np.ndarray | None, shapes: Sequence[Shape],
-                  timeout: float | None) -> np.ndarray:
+    def _exchange(
+        self,
+        mine: np.ndarray,
+        data: np.ndarray | None,
+        shapes: Sequence[Shape],
+        timeout: float | None,
+    ) -> np.ndarray:
         """Every rank's signature (one row per rank); their records stay in ``_received``."""
         record = np.zeros(record_bytes(self._size), np.uint8)
-        record[:mine.nbytes] = mine.view(np.uint8)
+        record[: mine.nbytes] = mine.view(np.uint8)
         if data is not None:
-            record[mine.nbytes:mine.nbytes + data.size] = data
+            record[mine.nbytes : mine.nbytes + data.size] = data
         self._received = np.empty((self._size, record.size), np.uint8)
         # Always the non-blocking Allgather: MPI never matches a blocking
         # collective with a non-blocking one, and a save's meeting (no
@@ -310,12 +417,12 @@ class Rendezvous:
             self._announce()
             self._wait(self._comm.Iallgather(record, self._received), mine, shapes, timeout)
             self._collect_announcements()
-        return self._received[:, :mine.nbytes].copy().view(np.int64)
+        return self._received[:, : mine.nbytes].copy().view(np.int64)
 
     # -- disagreement --------------------------------------------------------
     def _raise_disagreement(self, everyone: np.ndarray, shapes: Sequence[Shape]) -> None:
         by_rank = "; ".join(f"rank {r}: {describe(s)}" for r, s in enumerate(everyone))
-        if np.all(everyone[:, _KIND:_TENSORS + 1] == everyone[0, _KIND:_TENSORS + 1]):
+        if np.all(everyone[:, _KIND : _TENSORS + 1] == everyone[0, _KIND : _TENSORS + 1]):
             by_rank += " (same sizes, but the shapes differ between ranks)"
         kinds = [_kind(code) for code in dict.fromkeys(everyone[:, _KIND].tolist())]
         self.disagreed = kinds
@@ -323,9 +430,11 @@ class Rendezvous:
         solo = [_kind(code) for code in everyone[:, _SOLO].tolist() if code]
         if np.all(everyone[:, _KIND:_TOKEN] == everyone[0, _KIND:_TOKEN]):
             advice = _CONSTANT_ADVICE  # only the tokens differ
-            by_rank = "; ".join(f"rank {r}: {describe(s)} (ordering token moved by "
-                                f"{s[_TOKEN]} since the previous collective)"
-                                for r, s in enumerate(everyone))
+            by_rank = "; ".join(
+                f"rank {r}: {describe(s)} (ordering token moved by "
+                f"{s[_TOKEN]} since the previous collective)"
+                for r, s in enumerate(everyone)
+            )
         elif blamed:
             advice = blamed[0]
         elif solo:
@@ -337,7 +446,8 @@ class Rendezvous:
         raise self._mismatch_error(
             f"mpi_strategy: ranks disagree in an MPI collective (collective "
             f"#{everyone[self._rank, _SEQ]} of this communicator; this is rank {self._rank}, "
-            f"shapes {_shapes_text(shapes)}). {by_rank}. {advice}")
+            f"shapes {_shapes_text(shapes)}). {by_rank}. {advice}"
+        )
 
     # -- timeout ---------------------------------------------------------------
     def _announce(self) -> None:
@@ -345,8 +455,11 @@ class Rendezvous:
             return
         MPI.Request.Waitall([req for req, _ in self._sends])  # small: long since delivered
         seq = np.array([self._seq], np.int64)
-        self._sends = [(self._announce_comm.Isend(seq, dest=r, tag=_ANNOUNCE_TAG), seq)
-                       for r in range(self._size) if r != self._rank]
+        self._sends = [
+            (self._announce_comm.Isend(seq, dest=r, tag=_ANNOUNCE_TAG), seq)
+            for r in range(self._size)
+            if r != self._rank
+        ]
         self._last_seen[self._rank] = self._seq
 
     def _collect_announcements(self) -> None:
@@ -360,16 +473,19 @@ class Rendezvous:
 
     def _missing(self) -> str:
         if self._announce_comm is None:
-            return ("some ranks never reached it (which ones is known when the timeout is "
-                    "set for the whole strategy: MPIStrategy(communication_options="
-                    "tf.distribute.experimental.CommunicationOptions(timeout_seconds=T)))")
+            return (
+                "some ranks never reached it (which ones is known when the timeout is "
+                "set for the whole strategy: MPIStrategy(communication_options="
+                "tf.distribute.experimental.CommunicationOptions(timeout_seconds=T)))"
+            )
         self._collect_announcements()
         missing = [r for r in range(self._size) if self._last_seen[r] < self._seq]
         last = ", ".join(f"rank {r}: #{self._last_seen[r]}" for r in missing)
         return f"rank(s) {missing} never reached it (the last collective they entered: {last})"
 
-    def _wait(self, request: MPI.Request, mine: np.ndarray, shapes: Sequence[Shape],
-              timeout: float) -> None:
+    def _wait(
+        self, request: MPI.Request, mine: np.ndarray, shapes: Sequence[Shape], timeout: float
+    ) -> None:
         deadline = time.monotonic() + timeout
         pause = 0.0
         while not request.Test():
@@ -381,7 +497,8 @@ class Rendezvous:
                     f"collective #{self._seq} of this communicator): {self._missing()}. "
                     f"{_ORDER_ADVICE} "
                     "The communicator cannot be used after this error; end the job and "
-                    "resume from the last checkpoint.")
+                    "resume from the last checkpoint."
+                )
             # Poll often at first (most waits are short), then back off to
             # leave the cores to the ranks still computing.
             time.sleep(pause)

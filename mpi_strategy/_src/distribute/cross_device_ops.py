@@ -48,16 +48,20 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         in ``mpi_strategy.compression``; checked here). The same on every rank.
     """
 
-    def __init__(self, comm: MPI.Intracomm | None = None,
-                 options: tf.distribute.experimental.CommunicationOptions | None = None,
-                 compression: str | compression_lib.CompressionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        comm: MPI.Intracomm | None = None,
+        options: tf.distribute.experimental.CommunicationOptions | None = None,
+        compression: str | compression_lib.CompressionPolicy | None = None,
+    ) -> None:
         super().__init__()
         self._options = options or tf.distribute.experimental.CommunicationOptions()
         # Before any MPI call: a bad policy raises on every rank, none waits.
         self._compression = compression_lib.resolve(compression)
         comm = resolve_comm(comm)
-        check_same_on_all_ranks(comm, zlib.crc32(self.compression.encode()),
-                                f"compression (here {self.compression!r})")
+        check_same_on_all_ranks(
+            comm, zlib.crc32(self.compression.encode()), f"compression (here {self.compression!r})"
+        )
         self._mpi = OrderedComm(comm, name_missing_ranks=self._options.timeout_seconds is not None)
 
     @property
@@ -89,26 +93,35 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         return self._mpi.size
 
     # -- reductions --------------------------------------------------------------
-    def reduce_implementation(self, reduce_op: Any, per_replica_value: Any, destinations: Any,
-                              options: Any) -> Any:
+    def reduce_implementation(
+        self, reduce_op: Any, per_replica_value: Any, destinations: Any, options: Any
+    ) -> Any:
         return self.batch_reduce_implementation(
-            reduce_op, [(per_replica_value, destinations)], options)[0]
+            reduce_op, [(per_replica_value, destinations)], options
+        )[0]
 
-    def batch_reduce_implementation(self, reduce_op: Any,
-                                    value_destination_pairs: Sequence[tuple[Any, Any]],
-                                    options: Any) -> list[Any]:
+    def batch_reduce_implementation(
+        self, reduce_op: Any, value_destination_pairs: Sequence[tuple[Any, Any]], options: Any
+    ) -> list[Any]:
         options = self._options.merge(options)
         reduced = self.all_reduce_values(
-            reduce_op, [value for value, _ in value_destination_pairs],
-            timeout=options.timeout_seconds, bytes_per_pack=options.bytes_per_pack)
+            reduce_op,
+            [value for value, _ in value_destination_pairs],
+            timeout=options.timeout_seconds,
+            bytes_per_pack=options.bytes_per_pack,
+        )
         return [
             _tf_internal.simple_broadcast(r, destinations)
             for r, (_, destinations) in zip(reduced, value_destination_pairs)
         ]
 
-    def all_reduce_values(self, reduce_op: tf.distribute.ReduceOp | str, values: list[Any],
-                          timeout: float | None = None,
-                          bytes_per_pack: int | None = None) -> list[Any]:
+    def all_reduce_values(
+        self,
+        reduce_op: tf.distribute.ReduceOp | str,
+        values: list[Any],
+        timeout: float | None = None,
+        bytes_per_pack: int | None = None,
+    ) -> list[Any]:
         """Reduces each of ``values`` over all replicas of all ranks.
 
         Returns one tensor (or ``IndexedSlices``) per value, on the host, the
@@ -120,8 +133,7 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         """
         if bytes_per_pack is None:
             bytes_per_pack = self._options.bytes_per_pack
-        allreduce = functools.partial(self._compression.allreduce, mpi=self._mpi,
-                                      timeout=timeout)
+        allreduce = functools.partial(self._compression.allreduce, mpi=self._mpi, timeout=timeout)
         reduce_op = ReduceOp(reduce_op) if isinstance(reduce_op, str) else reduce_op
         parts = [_local_values(v) for v in values]
         dense = [i for i, p in enumerate(parts) if not _is_sparse(p[0])]
@@ -133,11 +145,11 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         # layer) ride along in the sparse values' all_gather: one collective.
         riding = bool(sparse) and self._can_ride_along(local_sums, bytes_per_pack)
         if not riding:
-            for i, r in zip(dense, fusion.fused_allreduce(local_sums, allreduce,
-                                                          bytes_per_pack)):
+            for i, r in zip(dense, fusion.fused_allreduce(local_sums, allreduce, bytes_per_pack)):
                 results[i] = r
-        gathered = self._allgather_indexed_slices([parts[i] for i in sparse], timeout,
-                                                  local_sums if riding else [])
+        gathered = self._allgather_indexed_slices(
+            [parts[i] for i in sparse], timeout, local_sums if riding else []
+        )
         for i, r in zip(sparse + (dense if riding else []), gathered):
             results[i] = r
 
@@ -161,9 +173,12 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
             return False
         return sum(t.shape.num_elements() * t.dtype.size for t in dense) <= _RIDE_ALONG_BYTES
 
-    def _allgather_indexed_slices(self, values: Sequence[Sequence[tf.IndexedSlices]],
-                                  timeout: float | None,
-                                  dense: Sequence[tf.Tensor] = ()) -> list[Any]:
+    def _allgather_indexed_slices(
+        self,
+        values: Sequence[Sequence[tf.IndexedSlices]],
+        timeout: float | None,
+        dense: Sequence[tf.Tensor] = (),
+    ) -> list[Any]:
         """Sums of ``values`` (each a list of this rank's IndexedSlices), all in one
         MPI call, followed by the sums of ``dense`` (tensors of one dtype) if any.
 
@@ -177,43 +192,66 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         if not values:
             return []
         flat_dense = [tf.concat([tf.reshape(t, [-1]) for t in dense], axis=0)] if dense else []
-        tables = [(tf.concat([s.values for s in slices], axis=0),
-                   tf.concat([tf.cast(s.indices, slices[0].indices.dtype) for s in slices], axis=0))
-                  for slices in values]
+        tables = [
+            (
+                tf.concat([s.values for s in slices], axis=0),
+                tf.concat([tf.cast(s.indices, slices[0].indices.dtype) for s in slices], axis=0),
+            )
+            for slices in values
+        ]
         if len({v.dtype for v, _ in tables}) != 1 or not all(
-                v.shape[1:].is_fully_defined() for v, _ in tables):
+            v.shape[1:].is_fully_defined() for v, _ in tables
+        ):
             gathered = self._allgather_tables(values, tables, flat_dense, timeout)
-            return gathered[:len(values)] + self._summed(gathered[len(values):], dense)
+            return gathered[: len(values)] + self._summed(gathered[len(values) :], dense)
         widths = [v.shape[1:].num_elements() for v, _ in tables]
-        counts, flat_values, flat_indices, *gathered_dense = self._mpi.allgather_many([
-            tf.stack([tf.shape(v, out_type=tf.int64)[0] for v, _ in tables]),
-            tf.concat([tf.reshape(v, [-1]) for v, _ in tables], axis=0),
-            tf.concat([tf.cast(i, tf.int64) for _, i in tables], axis=0), *flat_dense],
-            timeout)
+        counts, flat_values, flat_indices, *gathered_dense = self._mpi.allgather_many(
+            [
+                tf.stack([tf.shape(v, out_type=tf.int64)[0] for v, _ in tables]),
+                tf.concat([tf.reshape(v, [-1]) for v, _ in tables], axis=0),
+                tf.concat([tf.cast(i, tf.int64) for _, i in tables], axis=0),
+                *flat_dense,
+            ],
+            timeout,
+        )
         k, ranks = len(tables), self._mpi.size
         value_pieces = tf.split(
-            flat_values, counts * tf.tile(tf.constant(widths, tf.int64), [ranks]), num=k * ranks)
+            flat_values, counts * tf.tile(tf.constant(widths, tf.int64), [ranks]), num=k * ranks
+        )
         index_pieces = tf.split(flat_indices, counts, num=k * ranks)
-        return [tf.IndexedSlices(
-            values=tf.reshape(tf.concat(value_pieces[t::k], axis=0), [-1, *v.shape[1:].as_list()]),
-            indices=tf.cast(tf.concat(index_pieces[t::k], axis=0), i.dtype),
-            dense_shape=slices[0].dense_shape)
+        return [
+            tf.IndexedSlices(
+                values=tf.reshape(
+                    tf.concat(value_pieces[t::k], axis=0), [-1, *v.shape[1:].as_list()]
+                ),
+                indices=tf.cast(tf.concat(index_pieces[t::k], axis=0), i.dtype),
+                dense_shape=slices[0].dense_shape,
+            )
             for t, ((v, i), slices) in enumerate(zip(tables, values))
         ] + self._summed(gathered_dense, dense)
 
-    def _allgather_tables(self, values: Sequence[Sequence[tf.IndexedSlices]],
-                          tables: Sequence[tuple[tf.Tensor, tf.Tensor]],
-                          extra: Sequence[tf.Tensor], timeout: float | None) -> list[Any]:
+    def _allgather_tables(
+        self,
+        values: Sequence[Sequence[tf.IndexedSlices]],
+        tables: Sequence[tuple[tf.Tensor, tf.Tensor]],
+        extra: Sequence[tf.Tensor],
+        timeout: float | None,
+    ) -> list[Any]:
         """``_allgather_indexed_slices`` with every table's tensors crossing on
         their own; then the gathered ``extra`` tensors."""
         gathered = self._mpi.allgather_many(
-            [t for table in tables for t in table] + list(extra), timeout)
-        return [tf.IndexedSlices(values=gathered[2 * k], indices=gathered[2 * k + 1],
-                                 dense_shape=slices[0].dense_shape)
-                for k, slices in enumerate(values)] + gathered[2 * len(values):]
+            [t for table in tables for t in table] + list(extra), timeout
+        )
+        return [
+            tf.IndexedSlices(
+                values=gathered[2 * k],
+                indices=gathered[2 * k + 1],
+                dense_shape=slices[0].dense_shape,
+            )
+            for k, slices in enumerate(values)
+        ] + gathered[2 * len(values) :]
 
-    def _summed(self, gathered: Sequence[tf.Tensor],
-                dense: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    def _summed(self, gathered: Sequence[tf.Tensor], dense: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """The sums of ``dense`` from their all_gather (every rank's values, one
         after another), added in rank order: the same bits on every rank."""
         if not dense:
@@ -226,8 +264,9 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
         return [tf.reshape(part, t.shape) for part, t in zip(parts, dense)]
 
     # -- gather --------------------------------------------------------------
-    def _gather_implementation(self, per_replica_value: Any, destinations: Any, axis: int,
-                               options: Any) -> Any:
+    def _gather_implementation(
+        self, per_replica_value: Any, destinations: Any, axis: int, options: Any
+    ) -> Any:
         gathered = self.all_gather_values(per_replica_value, axis, self._timeout(options))
         return _tf_internal.simple_broadcast(gathered, destinations)
 
@@ -256,8 +295,9 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
             self._mpi.check_same_constants(constants)
             value = tf.convert_to_tensor(tensor)
         else:
-            value = self._mpi.broadcast(tf.convert_to_tensor(tensor),
-                                        timeout=self._options.timeout_seconds)
+            value = self._mpi.broadcast(
+                tf.convert_to_tensor(tensor), timeout=self._options.timeout_seconds
+            )
         return _tf_internal.simple_broadcast(value, destinations, always_mirrored=True)
 
     def broadcast_from_root(self, tensor: tf.Tensor) -> tf.Tensor:
@@ -266,8 +306,22 @@ class MPICrossDeviceOps(tf.distribute.CrossDeviceOps):
 
 
 # Element-wise ops that give every rank the same result from the same inputs.
-_DETERMINISTIC_OPS = frozenset({"Identity", "Cast", "AddV2", "Add", "Sub", "Mul", "Neg",
-                                "Maximum", "Minimum", "FloorDiv", "FloorMod", "RealDiv"})
+_DETERMINISTIC_OPS = frozenset(
+    {
+        "Identity",
+        "Cast",
+        "AddV2",
+        "Add",
+        "Sub",
+        "Mul",
+        "Neg",
+        "Maximum",
+        "Minimum",
+        "FloorDiv",
+        "FloorMod",
+        "RealDiv",
+    }
+)
 
 
 def _constants_if_same_on_every_rank(value: Any, variable: Any) -> list[np.ndarray] | None:
@@ -289,8 +343,9 @@ def _constants_if_same_on_every_rank(value: Any, variable: Any) -> list[np.ndarr
     return None
 
 
-def _made_of(value: Any, variable: Any, constants: list[np.ndarray], reads: list[Any],
-             depth: int) -> bool:
+def _made_of(
+    value: Any, variable: Any, constants: list[np.ndarray], reads: list[Any], depth: int
+) -> bool:
     """True if graph tensor ``value`` is made only of constants (appended to
     ``constants``) and reads of ``variable`` (appended to ``reads``)."""
     if not isinstance(value, tf.Tensor) or hasattr(value, "numpy") or not depth:
@@ -303,7 +358,8 @@ def _made_of(value: Any, variable: Any, constants: list[np.ndarray], reads: list
         reads.append(op)
         return True
     return op.type in _DETERMINISTIC_OPS and all(
-        _made_of(t, variable, constants, reads, depth - 1) for t in op.inputs)
+        _made_of(t, variable, constants, reads, depth - 1) for t in op.inputs
+    )
 
 
 def _reads(handle: Any, variable: Any) -> bool:

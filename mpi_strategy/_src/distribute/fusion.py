@@ -37,9 +37,11 @@ def wire_dtype(dtype: tf.DType) -> tf.DType:
     return _WIRE_DTYPE.get(dtype, dtype)
 
 
-def fused_allreduce(tensors: Sequence[tf.Tensor],
-                    allreduce_packed: Callable[[list[tf.Tensor]], list[tf.Tensor]],
-                    bytes_per_pack: int | None = 0) -> list[tf.Tensor]:
+def fused_allreduce(
+    tensors: Sequence[tf.Tensor],
+    allreduce_packed: Callable[[list[tf.Tensor]], list[tf.Tensor]],
+    bytes_per_pack: int | None = 0,
+) -> list[tf.Tensor]:
     """Sums each tensor across ranks with one ``allreduce_packed`` call per wire
     dtype, or per bucket of about ``bytes_per_pack`` bytes.
 

@@ -54,16 +54,20 @@ class OrderedComm:
         at the same point; the collectives run on their own duplicate of
         ``comm`` (``core.collectives.Collectives``). ``name_missing_ranks``:
         make timeouts name the ranks that never arrived."""
-        self.collectives = Collectives(comm, name_missing_ranks,
-                                       CollectiveMismatchError, CollectiveTimeoutError)
+        self.collectives = Collectives(
+            comm, name_missing_ranks, CollectiveMismatchError, CollectiveTimeoutError
+        )
         self.comm: MPI.Intracomm = self.collectives.comm
         self.rank, self.size = self.collectives.rank, self.collectives.size
         # The token must be a plain (non-distributed) variable: create it
         # outside any tf.function, on the host.
         with tf.init_scope(), tf.device("/device:CPU:0"):
             self._token = tf.Variable(
-                np.int64(0), trainable=False, name="mpi_ordering_token",
-                synchronization=tf.VariableSynchronization.NONE)
+                np.int64(0),
+                trainable=False,
+                name="mpi_ordering_token",
+                synchronization=tf.VariableSynchronization.NONE,
+            )
 
     @property
     def rendezvous(self) -> Rendezvous:
@@ -80,9 +84,13 @@ class OrderedComm:
         return self.collectives.ranks_lost(error)
 
     # -- the one place a TF op calls MPI -------------------------------------
-    def _ordered_call(self, name: str, fn: Callable[..., Sequence[np.ndarray]],
-                      inputs: Sequence[tf.Tensor],
-                      output_dtypes: Sequence[tf.DType]) -> list[tf.Tensor]:
+    def _ordered_call(
+        self,
+        name: str,
+        fn: Callable[..., Sequence[np.ndarray]],
+        inputs: Sequence[tf.Tensor],
+        output_dtypes: Sequence[tf.DType],
+    ) -> list[tf.Tensor]:
         """Runs ``fn(token, *numpy_inputs) -> list of arrays`` as one ordered op.
 
         ``token`` (an int, the same on every rank) goes into the collective's
@@ -99,8 +107,8 @@ class OrderedComm:
         with tf.device("/device:CPU:0"):
             token = self._token.read_value()
             outputs = tf.numpy_function(
-                with_token, [token, *inputs], [tf.int64, *output_dtypes],
-                stateful=True, name=name)
+                with_token, [token, *inputs], [tf.int64, *output_dtypes], stateful=True, name=name
+            )
             self._token.assign(outputs[0])
         return outputs[1:]
 
@@ -113,8 +121,9 @@ class OrderedComm:
         """
         return self.allreduce_sum_packed([x], timeout)[0]
 
-    def allreduce_sum_packed(self, tensors: Sequence[tf.Tensor],
-                             timeout: float | None = None) -> list[tf.Tensor]:
+    def allreduce_sum_packed(
+        self, tensors: Sequence[tf.Tensor], timeout: float | None = None
+    ) -> list[tf.Tensor]:
         """Sums each of ``tensors`` (all of one dtype) over all ranks, in one MPI call.
 
         The tensors are copied into one pooled buffer, summed in place by one
@@ -133,28 +142,33 @@ class OrderedComm:
             raise MPIStrategyError(
                 f"mpi_strategy: cannot sum dtype(s) {sorted(d.name for d in dtypes)} in one "
                 f"MPI call; supported: one of {[d.name for d in REDUCIBLE_DTYPES]} "
-                "(float16/bfloat16 are summed in float32 by MPICrossDeviceOps).")
+                "(float16/bfloat16 are summed in float32 by MPICrossDeviceOps)."
+            )
         if len(tensors) > 1 and _small_and_static(tensors):
             shapes = [tuple(t.shape) for t in tensors]
             flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
-            (summed,) = self._ordered_call("MPIAllreduce", self._allreduce(shapes, timeout),
-                                           [flat], [flat.dtype])
+            (summed,) = self._ordered_call(
+                "MPIAllreduce", self._allreduce(shapes, timeout), [flat], [flat.dtype]
+            )
             parts = tf.split(summed, [math.prod(shape) for shape in shapes])
             return [tf.reshape(part, shape) for part, shape in zip(parts, shapes)]
-        outs = self._ordered_call("MPIAllreduce", self._allreduce(None, timeout), tensors,
-                                  [t.dtype for t in tensors])
+        outs = self._ordered_call(
+            "MPIAllreduce", self._allreduce(None, timeout), tensors, [t.dtype for t in tensors]
+        )
         for out, t in zip(outs, tensors):
             out.set_shape(t.shape)
         return outs
 
-    def _allreduce(self, shapes: list[tuple[int, ...]] | None,
-                   timeout: float | None) -> Callable[..., list[np.ndarray]]:
+    def _allreduce(
+        self, shapes: list[tuple[int, ...]] | None, timeout: float | None
+    ) -> Callable[..., list[np.ndarray]]:
         """The numpy function of an allreduce; ``shapes``: the tensors' shapes when
         they arrive concatenated (the agreement compares these), else None."""
         collectives = self.collectives
 
         def allreduce(token: int, *arrays: np.ndarray) -> list[np.ndarray]:
             return collectives.allreduce_sum(arrays, shapes, timeout, token)
+
         return allreduce
 
     def allgather(self, x: tf.Tensor, timeout: float | None = None) -> tf.Tensor:
@@ -165,8 +179,9 @@ class OrderedComm:
         """
         return self.allgather_many([x], timeout)[0]
 
-    def allgather_many(self, tensors: Sequence[tf.Tensor],
-                       timeout: float | None = None) -> list[tf.Tensor]:
+    def allgather_many(
+        self, tensors: Sequence[tf.Tensor], timeout: float | None = None
+    ) -> list[tf.Tensor]:
         """``allgather`` of each of ``tensors``, in one MPI call.
 
         The tensors may differ in dtype and shape; each is concatenated along
@@ -181,8 +196,7 @@ class OrderedComm:
         def allgatherv(token: int, *arrays: np.ndarray) -> list[np.ndarray]:
             return collectives.allgather(arrays, timeout, token)
 
-        outs = self._ordered_call("MPIAllgather", allgatherv, tensors,
-                                  [x.dtype for x in tensors])
+        outs = self._ordered_call("MPIAllgather", allgatherv, tensors, [x.dtype for x in tensors])
         for out, x in zip(outs, tensors):
             out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         return outs
@@ -262,4 +276,5 @@ def _check_not_xla(name: str) -> None:
             f"mpi_strategy: the MPI collective {name} cannot be compiled by XLA. "
             "Remove jit_compile=True from the tf.function (for Keras: "
             "model.compile(..., jit_compile=False)); XLA can still compile "
-            "functions that do not communicate, e.g. the model's forward pass.")
+            "functions that do not communicate, e.g. the model's forward pass."
+        )

@@ -99,13 +99,20 @@ class MPIStrategy(tf.distribute.Strategy):
 
     extended: MPIExtended
 
-    def __init__(self, comm: MPI.Intracomm | None = None, devices: Sequence[str] | None = None,
-                 communication_options: tf.distribute.experimental.CommunicationOptions
-                 | None = None,
-                 compression: str | compression_lib.CompressionPolicy | None = None) -> None:
-        extended = MPIExtended(self, comm=comm, devices=devices,
-                               communication_options=communication_options,
-                               compression=compression)
+    def __init__(
+        self,
+        comm: MPI.Intracomm | None = None,
+        devices: Sequence[str] | None = None,
+        communication_options: tf.distribute.experimental.CommunicationOptions | None = None,
+        compression: str | compression_lib.CompressionPolicy | None = None,
+    ) -> None:
+        extended = MPIExtended(
+            self,
+            comm=comm,
+            devices=devices,
+            communication_options=communication_options,
+            compression=compression,
+        )
         super().__init__(extended)
         extended.announce()
 
@@ -117,8 +124,10 @@ class MPIStrategy(tf.distribute.Strategy):
 
     def __repr__(self) -> str:
         ext = self.extended
-        return (f"MPIStrategy(rank={ext.rank}, size={ext.comm.Get_size()}, "
-                f"devices={list(ext.worker_devices)})")
+        return (
+            f"MPIStrategy(rank={ext.rank}, size={ext.comm.Get_size()}, "
+            f"devices={list(ext.worker_devices)})"
+        )
 
 
 class MPIExtended(_tf_internal.MirroredExtended):
@@ -126,47 +135,61 @@ class MPIExtended(_tf_internal.MirroredExtended):
 
     _cross_device_ops: MPICrossDeviceOps
 
-    def __init__(self, container_strategy: MPIStrategy, comm: MPI.Intracomm | None = None,
-                 devices: Sequence[str] | None = None,
-                 communication_options: tf.distribute.experimental.CommunicationOptions
-                 | None = None,
-                 compression: str | compression_lib.CompressionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        container_strategy: MPIStrategy,
+        comm: MPI.Intracomm | None = None,
+        devices: Sequence[str] | None = None,
+        communication_options: tf.distribute.experimental.CommunicationOptions | None = None,
+        compression: str | compression_lib.CompressionPolicy | None = None,
+    ) -> None:
         # Checked before any MPI call or process-wide hook, alike on every rank.
         compression = compression_lib.resolve(compression)
         comm = resolve_comm(comm)
         if communication_options is None:
             communication_options = tf.distribute.experimental.CommunicationOptions()
         # CommunicationOptions is a factory; the instances' class is private.
-        if not isinstance(communication_options,
-                          type(tf.distribute.experimental.CommunicationOptions())):
+        if not isinstance(
+            communication_options, type(tf.distribute.experimental.CommunicationOptions())
+        ):
             raise TypeError(
                 "mpi_strategy: communication_options must be a "
                 "tf.distribute.experimental.CommunicationOptions, got "
-                f"{type(communication_options).__name__}.")
+                f"{type(communication_options).__name__}."
+            )
         _warn_once_if_ignored(communication_options)
         self._comm = comm
         self._rank = comm.Get_rank()
         self._num_ranks = comm.Get_size()
         devices = list(devices) if devices else default_devices(comm)
         check_same_on_all_ranks(comm, len(devices), "number of devices per rank")
-        super().__init__(container_strategy, devices=devices,
-                         cross_device_ops=MPICrossDeviceOps(comm, communication_options,
-                                                            compression))
+        super().__init__(
+            container_strategy,
+            devices=devices,
+            cross_device_ops=MPICrossDeviceOps(comm, communication_options, compression),
+        )
         # MirroredExtended defaults these to NCCL / single-process values.
         self._communication_options = communication_options
         self.experimental_enable_get_next_as_optional = True
         self._cluster_resolver = MPIClusterResolver(
-            comm, {_device_type(self._devices[0]): len(self._devices)})
+            comm, {_device_type(self._devices[0]): len(self._devices)}
+        )
         # Read by tf_keras (as from MultiWorkerMirroredStrategy) to name the
         # scratch directories where non-chief ranks write checkpoints.
         self._task_type, self._task_id = "worker", self._rank
         logger.info(
             "MPIStrategy: %d rank(s) x %d device(s) = %d replicas (%s); %s; collective "
-            "timeout: %s; compression: %s", self._num_ranks, len(self._devices),
-            self._num_replicas_in_sync, ", ".join(self._devices), mpi_library(),
+            "timeout: %s; compression: %s",
+            self._num_ranks,
+            len(self._devices),
+            self._num_replicas_in_sync,
+            ", ".join(self._devices),
+            mpi_library(),
             f"{communication_options.timeout_seconds} s"
-            if communication_options.timeout_seconds else "none",
-            self._cross_device_ops.compression)
+            if communication_options.timeout_seconds
+            else "none",
+            self._cross_device_ops.compression,
+        )
 
     def announce(self) -> None:
         """Once built: an uncaught exception now ends the job if this strategy
@@ -194,10 +217,12 @@ class MPIExtended(_tf_internal.MirroredExtended):
         self._rank = comm.Get_rank()
         self._num_ranks = comm.Get_size()
         self._cross_device_ops = MPICrossDeviceOps(
-            comm, self._communication_options, self._cross_device_ops.policy)
+            comm, self._communication_options, self._cross_device_ops.policy
+        )
         _state["world"] = self._container_strategy()  # all the living ranks
         self._cluster_resolver = MPIClusterResolver(
-            comm, {_device_type(self._devices[0]): len(self._devices)})
+            comm, {_device_type(self._devices[0]): len(self._devices)}
+        )
         self._task_id = self._rank
         logs.set_rank(self._rank, self._num_ranks)  # rank 0 of the survivors speaks
 
@@ -266,7 +291,8 @@ class MPIExtended(_tf_internal.MirroredExtended):
             "nested tf.function (as Keras optimizers do with gradient_accumulation_steps "
             "or ema_overwrite_frequency); MPIStrategy supports this with one device "
             f"per rank only, and this rank drives {len(self._devices)} devices. Launch "
-            "one rank per device instead (MPIStrategy(devices=[one device]) on each rank).")
+            "one rank per device instead (MPIStrategy(devices=[one device]) on each rank)."
+        )
 
     def _replica_ctx_all_reduce(self, reduce_op: Any, value: Any, options: Any = None) -> Any:
         # ReplicaContext.all_reduce and aggregated variable updates call this
@@ -276,10 +302,14 @@ class MPIExtended(_tf_internal.MirroredExtended):
             return super()._replica_ctx_all_reduce(reduce_op, value, options)
         options = self._communication_options.merge(options)
         reduced = self._cross_device_ops.all_reduce_values(
-            reduce_op, tf.nest.flatten(value), timeout=options.timeout_seconds,
-            bytes_per_pack=options.bytes_per_pack)
+            reduce_op,
+            tf.nest.flatten(value),
+            timeout=options.timeout_seconds,
+            bytes_per_pack=options.bytes_per_pack,
+        )
         return tf.nest.pack_sequence_as(
-            value, [_tf_internal.simple_broadcast(r, self._devices[0]) for r in reduced])
+            value, [_tf_internal.simple_broadcast(r, self._devices[0]) for r in reduced]
+        )
 
     def _get_cross_device_ops(self, value: Any) -> MPICrossDeviceOps:
         del value
@@ -289,35 +319,47 @@ class MPIExtended(_tf_internal.MirroredExtended):
         # `value` may be a nested structure (Keras reduces whole batches):
         # all of its leaves go into one batch reduction.
         leaves = tf.nest.flatten(value)
-        to_reduce = [i for i, leaf in enumerate(leaves)
-                     if not (reduce_op == ReduceOp.MEAN and _tf_internal.is_mirrored(leaf))]
+        to_reduce = [
+            i
+            for i, leaf in enumerate(leaves)
+            if not (reduce_op == ReduceOp.MEAN and _tf_internal.is_mirrored(leaf))
+        ]
         if to_reduce:  # (a mirrored MEAN is already the same on every replica)
             reduced = self._cross_device_ops.batch_reduce(
-                reduce_op, [(leaves[i], destinations) for i in to_reduce],
-                options=self._communication_options.merge(options))
+                reduce_op,
+                [(leaves[i], destinations) for i in to_reduce],
+                options=self._communication_options.merge(options),
+            )
             for i, r in zip(to_reduce, reduced):
                 leaves[i] = r
         return tf.nest.pack_sequence_as(value, leaves)
 
-    def _batch_reduce_to(self, reduce_op: Any, value_destination_pairs: Any,
-                         options: Any) -> list[Any]:
+    def _batch_reduce_to(
+        self, reduce_op: Any, value_destination_pairs: Any, options: Any
+    ) -> list[Any]:
         return self._cross_device_ops.batch_reduce(
-            reduce_op, value_destination_pairs,
-            options=self._communication_options.merge(options))
+            reduce_op, value_destination_pairs, options=self._communication_options.merge(options)
+        )
 
-    def _gather_to_implementation(self, value: Any, destinations: Any, axis: int,
-                                  options: Any) -> Any:
+    def _gather_to_implementation(
+        self, value: Any, destinations: Any, axis: int, options: Any
+    ) -> Any:
         return self._cross_device_ops._gather(
-            value, destinations=destinations, axis=axis,
-            options=self._communication_options.merge(options))
+            value,
+            destinations=destinations,
+            axis=axis,
+            options=self._communication_options.merge(options),
+        )
 
     # -- variables start equal on every rank -------------------------------------
-    def _get_variable_creator_initial_value(self, replica_id: int, device: Any, primary_var: Any,
-                                            **kwargs: Any) -> Any:
+    def _get_variable_creator_initial_value(
+        self, replica_id: int, device: Any, primary_var: Any, **kwargs: Any
+    ) -> Any:
         if replica_id != 0 or self._num_ranks == 1:
             # Other local replicas copy the first one, as in MirroredStrategy.
             return super()._get_variable_creator_initial_value(
-                replica_id, device, primary_var, **kwargs)
+                replica_id, device, primary_var, **kwargs
+            )
         initial_value = kwargs["initial_value"]
         dtype = kwargs.get("dtype")
 
@@ -337,7 +379,8 @@ class MPIExtended(_tf_internal.MirroredExtended):
         return tf.distribute.InputContext(
             num_input_pipelines=self._num_ranks,
             input_pipeline_id=self._rank,
-            num_replicas_in_sync=self._num_replicas_in_sync)
+            num_replicas_in_sync=self._num_replicas_in_sync,
+        )
 
     def _experimental_distribute_dataset(self, dataset: Any, options: Any) -> Any:
         _reject_per_replica_mode(options)
@@ -347,22 +390,28 @@ class MPIExtended(_tf_internal.MirroredExtended):
             self._container_strategy(),
             num_replicas_in_sync=self._num_replicas_in_sync,
             input_context=self.input_context(),
-            options=options)
+            options=options,
+        )
 
-    def _distribute_datasets_from_function(self, dataset_fn: Callable[..., Any],
-                                           options: Any) -> Any:
+    def _distribute_datasets_from_function(
+        self, dataset_fn: Callable[..., Any], options: Any
+    ) -> Any:
         _reject_per_replica_mode(options)
         return _tf_internal.get_distributed_datasets_from_function(
             dataset_fn,
             self._input_workers_with_options(options),
             [self.input_context()],
             self._container_strategy(),
-            options=options)
+            options=options,
+        )
 
     def _experimental_distribute_values_from_function(self, value_fn: Callable[..., Any]) -> Any:
         values = [
-            value_fn(tf.distribute.experimental.ValueContext(
-                self._get_replica_id_in_sync_group(i), self._num_replicas_in_sync))
+            value_fn(
+                tf.distribute.experimental.ValueContext(
+                    self._get_replica_id_in_sync_group(i), self._num_replicas_in_sync
+                )
+            )
             for i in range(len(self._devices))
         ]
         return _tf_internal.regroup(values, always_wrap=True)
@@ -391,7 +440,7 @@ def default_devices(comm: MPI.Intracomm) -> list[str]:
         return gpus
     per_rank = max(1, len(gpus) // local_size)
     start = (local_rank * per_rank) % len(gpus)
-    return gpus[start:start + per_rank]
+    return gpus[start : start + per_rank]
 
 
 def _warn_once_if_ignored(options: tf.distribute.experimental.CommunicationOptions) -> None:
@@ -403,7 +452,9 @@ def _warn_once_if_ignored(options: tf.distribute.experimental.CommunicationOptio
         _state["warned_ignored"] = True
         logger.warning(
             "MPIStrategy ignores CommunicationOptions(%s): every reduction goes "
-            "through MPI, one fused collective per dtype.", ", ".join(ignored))
+            "through MPI, one fused collective per dtype.",
+            ", ".join(ignored),
+        )
 
 
 def _device_type(device: str) -> str:
@@ -411,8 +462,11 @@ def _device_type(device: str) -> str:
 
 
 def _reject_per_replica_mode(options: tf.distribute.InputOptions | None) -> None:
-    if (options is not None and options.experimental_replication_mode
-            == tf.distribute.InputReplicationMode.PER_REPLICA):
+    if (
+        options is not None
+        and options.experimental_replication_mode == tf.distribute.InputReplicationMode.PER_REPLICA
+    ):
         raise NotImplementedError(
             "mpi_strategy: InputReplicationMode.PER_REPLICA is not supported; "
-            "use the default PER_WORKER mode (one input pipeline per rank).")
+            "use the default PER_WORKER mode (one input pipeline per rank)."
+        )

@@ -28,12 +28,16 @@ def agree_on_the_end() -> None:
         return
     _state["ended"] = True
     ordered = strategy.extended.ordered_comm
-    if (ordered.size == 1 or not ordered.rendezvous.usable or ordered.failed
-            or MPI.Is_finalized() or failure.aborting()):
+    if (
+        ordered.size == 1
+        or not ordered.rendezvous.usable
+        or ordered.failed
+        or MPI.Is_finalized()
+        or failure.aborting()
+    ):
         return
     try:
-        ordered.collectives.guarded(ordered.rendezvous.agree)(
-            rendezvous_lib.FINALIZE, np.uint8, [])
+        ordered.collectives.guarded(ordered.rendezvous.agree)(rendezvous_lib.FINALIZE, np.uint8, [])
     except RanksLostError:
         return  # a rank died at the very end (ULFM): elastic training ends without it
     except MPIStrategyError as exc:

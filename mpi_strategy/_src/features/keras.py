@@ -48,21 +48,27 @@ def concat_in_input_order(value: Any, strategy: MPIStrategy) -> tf.Tensor:
     rows = strategy.gather(value, axis=0)
     if local == 1:
         return rows  # pieces are already in rank (= batch) order
-    sizes = strategy.gather(
-        strategy.run(lambda v: tf.shape(v)[:1], args=(value,)), axis=0)
+    sizes = strategy.gather(strategy.run(lambda v: tf.shape(v)[:1], args=(value,)), axis=0)
     pieces = tf.split(rows, sizes, num=strategy.num_replicas_in_sync)
     ordered = [p for first in range(local) for p in pieces[first::local]]
     return tf.concat(ordered, axis=0)
 
 
-def callback_list_init_wrapper(original_init: Callable[..., None],
-                               backup_class: type) -> Callable[..., None]:
+def callback_list_init_wrapper(
+    original_init: Callable[..., None], backup_class: type
+) -> Callable[..., None]:
     """``CallbackList.__init__``: the progress bar on rank 0 only, and tf_keras's
     ``BackupAndRestore`` (``backup_class``) accepting MPIStrategy."""
 
     @functools.wraps(original_init)
-    def __init__(self: Any, callbacks: Any = None, add_history: bool = False,
-                 add_progbar: bool = False, model: Any = None, **params: Any) -> None:
+    def __init__(
+        self: Any,
+        callbacks: Any = None,
+        add_history: bool = False,
+        add_progbar: bool = False,
+        model: Any = None,
+        **params: Any,
+    ) -> None:
         strategy = getattr(model, "distribute_strategy", None)
         if isinstance(strategy, MPIStrategy):
             for c in callbacks or []:
@@ -70,8 +76,9 @@ def callback_list_init_wrapper(original_init: Callable[..., None],
                     supported = tuple(getattr(c, BACKUP_SUPPORTED_STRATEGIES))
                     setattr(c, BACKUP_SUPPORTED_STRATEGIES, (*supported, MPIStrategy))
             add_progbar = add_progbar and strategy.extended.should_checkpoint
-        original_init(self, callbacks, add_history=add_history, add_progbar=add_progbar,
-                      model=model, **params)
+        original_init(
+            self, callbacks, add_history=add_history, add_progbar=add_progbar, model=model, **params
+        )
 
     return __init__
 

@@ -51,19 +51,21 @@ import tensorflow as tf  # noqa: E402
 
 MIRRORED_DEVICES = ["/cpu:0", "/cpu:1"]
 SEED = 20240611
-TRAIN_EXAMPLES = 400   # global batches of 128: 128, 128, 128, 16 (a ragged last one)
-TEST_EXAMPLES = 200    # 128, 72
+TRAIN_EXAMPLES = 400  # global batches of 128: 128, 128, 128, 16 (a ragged last one)
+TEST_EXAMPLES = 200  # 128, 72
 
 # Before TensorFlow's runtime starts: the devices, and one thread per op (two
 # ranks share this machine's cores as MirroredStrategy's two replicas do).
 if STRATEGY == "mirrored":
     tf.config.set_logical_device_configuration(
         tf.config.list_physical_devices("CPU")[0],
-        [tf.config.LogicalDeviceConfiguration() for _ in MIRRORED_DEVICES])
+        [tf.config.LogicalDeviceConfiguration() for _ in MIRRORED_DEVICES],
+    )
 tf.config.threading.set_intra_op_parallelism_threads(1)
 
 if STRATEGY == "mpi":
     from mpi4py import MPI
+
     RANK, WORKERS = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     _COMM = MPI.COMM_WORLD.Dup()  # the report's own messages, apart from the strategy's
 else:
@@ -71,17 +73,19 @@ else:
     _COMM = None
 
 # The TF_CONFIG a launcher would set for this worker of this cluster.
-TF_CONFIG = json.dumps({
-    "cluster": {"worker": [f"localhost:{12345 + i}" for i in range(WORKERS)]},
-    "task": {"type": "worker", "index": RANK},
-})
+TF_CONFIG = json.dumps(
+    {
+        "cluster": {"worker": [f"localhost:{12345 + i}" for i in range(WORKERS)]},
+        "task": {"type": "worker", "index": RANK},
+    }
+)
 
 
 KERASES = {"keras3": "0", "tf_keras": "1"}  # -> TF_USE_LEGACY_KERAS
 
 
 def keras_in_use():
-    """"tf_keras" or "keras3": what ``tf.keras`` is in this process."""
+    """ "tf_keras" or "keras3": what ``tf.keras`` is in this process."""
     return "tf_keras" if tf.keras.__name__.startswith("tf_keras") else "keras3"
 
 
@@ -95,9 +99,11 @@ def begin(keras):
     if loader is not None and not getattr(loader, "_tfll_initialized", True):
         os.environ["TF_USE_LEGACY_KERAS"] = KERASES[keras]  # tf.keras is not loaded yet
     if keras_in_use() != keras:
-        raise RuntimeError(f"this tutorial is written for {keras}, but tf.keras is "
-                           f"{keras_in_use()} in this process (TF_USE_LEGACY_KERAS="
-                           f"{os.environ.get('TF_USE_LEGACY_KERAS')})")
+        raise RuntimeError(
+            f"this tutorial is written for {keras}, but tf.keras is "
+            f"{keras_in_use()} in this process (TF_USE_LEGACY_KERAS="
+            f"{os.environ.get('TF_USE_LEGACY_KERAS')})"
+        )
     tf.keras.backend.clear_session()
     random.seed(SEED)
     np.random.seed(SEED)
@@ -108,6 +114,7 @@ def make_strategy():
     """The tutorial's strategy line (see the module docstring)."""
     if STRATEGY == "mpi":
         import mpi_strategy
+
         return mpi_strategy.MPIStrategy()
     # On CPUs MirroredStrategy reduces with TensorFlow's collective ops by
     # default, whose instance keys start at the same number in every
@@ -115,14 +122,14 @@ def make_strategy():
     # several, the driver runs several tutorials) fails with "Shape mismatch in
     # the collective instance 100". ReductionToOneDevice has no such keys.
     strategy = tf.distribute.MirroredStrategy(
-        MIRRORED_DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice())
+        MIRRORED_DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
     # MirroredStrategy has no cluster resolver; the multi-worker tutorials ask
     # theirs which worker this is. This process is worker 0 (the chief) of the
     # cluster whose workers the replicas stand for.
-    strategy.extended._cluster_resolver = (
-        tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(json.loads(TF_CONFIG)["cluster"]),
-            task_type="worker", task_id=0))
+    strategy.extended._cluster_resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(json.loads(TF_CONFIG)["cluster"]), task_type="worker", task_id=0
+    )
     return strategy
 
 
@@ -139,6 +146,7 @@ def steps(n):
 
 
 # -- local data ------------------------------------------------------------------
+
 
 def _images(n, seed, kind):
     """``n`` 28x28 uint8 images and uint8 labels in 0..9: a fixed pattern per
@@ -158,8 +166,10 @@ class _KerasDataset:
         self._kind = kind
 
     def load_data(self):
-        return (_images(TRAIN_EXAMPLES, 2 * self._kind + 1, self._kind),
-                _images(TEST_EXAMPLES, 2 * self._kind + 2, self._kind))
+        return (
+            _images(TRAIN_EXAMPLES, 2 * self._kind + 1, self._kind),
+            _images(TEST_EXAMPLES, 2 * self._kind + 2, self._kind),
+        )
 
 
 datasets = types.SimpleNamespace(mnist=_KerasDataset(0), fashion_mnist=_KerasDataset(1))
@@ -175,10 +185,16 @@ class tfds:  # noqa: N801 - stands in for the module tensorflow_datasets
         if name != "mnist" or not as_supervised:
             raise ValueError("only tfds.load(name='mnist', as_supervised=True) is stood in for")
         splits = dict(zip(("train", "test"), datasets.mnist.load_data()))
-        loaded = {split: tf.data.Dataset.from_tensor_slices((x[..., None], y.astype(np.int64)))
-                  for split, (x, y) in splits.items()}
-        info = types.SimpleNamespace(splits={
-            split: types.SimpleNamespace(num_examples=len(x)) for split, (x, _) in splits.items()})
+        loaded = {
+            split: tf.data.Dataset.from_tensor_slices((x[..., None], y.astype(np.int64)))
+            for split, (x, y) in splits.items()
+        }
+        info = types.SimpleNamespace(
+            splits={
+                split: types.SimpleNamespace(num_examples=len(x))
+                for split, (x, _) in splits.items()
+            }
+        )
         return (loaded, info) if with_info else loaded
 
 

@@ -44,7 +44,7 @@ test_images = test_images / np.float32(255)
 
 # -- The strategy
 strategy = make_strategy()
-print('Number of devices: {}'.format(strategy.num_replicas_in_sync))
+print("Number of devices: {}".format(strategy.num_replicas_in_sync))
 
 # -- The input pipeline
 BUFFER_SIZE = len(train_images)
@@ -52,10 +52,14 @@ BATCH_SIZE_PER_REPLICA = 64
 GLOBAL_BATCH_SIZE = BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync
 EPOCHS = epochs(10, needed=3)
 
-train_dataset = tf.data.Dataset.from_tensor_slices(
-    (train_images, train_labels)).shuffle(BUFFER_SIZE).batch(GLOBAL_BATCH_SIZE)
-test_dataset = tf.data.Dataset.from_tensor_slices(
-    (test_images, test_labels)).batch(GLOBAL_BATCH_SIZE)
+train_dataset = (
+    tf.data.Dataset.from_tensor_slices((train_images, train_labels))
+    .shuffle(BUFFER_SIZE)
+    .batch(GLOBAL_BATCH_SIZE)
+)
+test_dataset = tf.data.Dataset.from_tensor_slices((test_images, test_labels)).batch(
+    GLOBAL_BATCH_SIZE
+)
 
 train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
 test_dist_dataset = strategy.experimental_distribute_dataset(test_dataset)
@@ -64,25 +68,28 @@ test_dist_dataset = strategy.experimental_distribute_dataset(test_dataset)
 # -- The model
 def create_model():
     regularizer = tf.keras.regularizers.L2(1e-5)
-    model = tf.keras.Sequential([
-        tf.keras.layers.Conv2D(32, 3, activation='relu', kernel_regularizer=regularizer),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Conv2D(64, 3, activation='relu', kernel_regularizer=regularizer),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(64, activation='relu', kernel_regularizer=regularizer),
-        tf.keras.layers.Dense(10, kernel_regularizer=regularizer),
-    ])
+    model = tf.keras.Sequential(
+        [
+            tf.keras.layers.Conv2D(32, 3, activation="relu", kernel_regularizer=regularizer),
+            tf.keras.layers.MaxPooling2D(),
+            tf.keras.layers.Conv2D(64, 3, activation="relu", kernel_regularizer=regularizer),
+            tf.keras.layers.MaxPooling2D(),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(64, activation="relu", kernel_regularizer=regularizer),
+            tf.keras.layers.Dense(10, kernel_regularizer=regularizer),
+        ]
+    )
     return model
 
 
-checkpoint_dir = './training_checkpoints'
+checkpoint_dir = "./training_checkpoints"
 checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt")
 
 # -- The loss: per example, averaged over the global batch, plus regularization
 with strategy.scope():
     loss_object = tf.keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+        from_logits=True, reduction=tf.keras.losses.Reduction.NONE
+    )
 
     def compute_loss(labels, predictions, model_losses):
         per_example_loss = loss_object(labels, predictions)
@@ -91,11 +98,12 @@ with strategy.scope():
             loss += tf.nn.scale_regularization_loss(tf.add_n(model_losses))
         return loss
 
+
 # -- The metrics
 with strategy.scope():
-    test_loss = tf.keras.metrics.Mean(name='test_loss')
-    train_accuracy = tf.keras.metrics.SparseCategoricalAccuracy(name='train_accuracy')
-    test_accuracy = tf.keras.metrics.SparseCategoricalAccuracy(name='test_accuracy')
+    test_loss = tf.keras.metrics.Mean(name="test_loss")
+    train_accuracy = tf.keras.metrics.SparseCategoricalAccuracy(name="train_accuracy")
+    test_accuracy = tf.keras.metrics.SparseCategoricalAccuracy(name="test_accuracy")
 
 # -- The model, the optimizer and the checkpoint, in the scope
 with strategy.scope():
@@ -150,10 +158,18 @@ for epoch in range(EPOCHS):
     if epoch % 2 == 0:
         checkpoint.save(checkpoint_prefix)
 
-    print(f"Epoch {epoch + 1}, Loss: {train_loss}, Accuracy: {train_accuracy.result() * 100}, "
-          f"Test Loss: {test_loss.result()}, Test Accuracy: {test_accuracy.result() * 100}")
-    first_loop.append([train_loss, train_accuracy.result() * 100, test_loss.result(),
-                       test_accuracy.result() * 100])
+    print(
+        f"Epoch {epoch + 1}, Loss: {train_loss}, Accuracy: {train_accuracy.result() * 100}, "
+        f"Test Loss: {test_loss.result()}, Test Accuracy: {test_accuracy.result() * 100}"
+    )
+    first_loop.append(
+        [
+            train_loss,
+            train_accuracy.result() * 100,
+            test_loss.result(),
+            test_accuracy.result() * 100,
+        ]
+    )
 
     test_loss.reset_states()
     train_accuracy.reset_states()
@@ -163,11 +179,12 @@ checkpoint_files = sorted(os.listdir(checkpoint_dir))
 weights_after_first_loop = checksum(model.get_weights())
 
 # -- The latest checkpoint restored into a model made without the strategy
-eval_accuracy = tf.keras.metrics.SparseCategoricalAccuracy(name='eval_accuracy')
+eval_accuracy = tf.keras.metrics.SparseCategoricalAccuracy(name="eval_accuracy")
 new_model = create_model()
 new_optimizer = tf.keras.optimizers.Adam()
-test_dataset = tf.data.Dataset.from_tensor_slices(
-    (test_images, test_labels)).batch(GLOBAL_BATCH_SIZE)
+test_dataset = tf.data.Dataset.from_tensor_slices((test_images, test_labels)).batch(
+    GLOBAL_BATCH_SIZE
+)
 
 
 @tf.function
@@ -199,8 +216,9 @@ for _ in range(EPOCHS):
     average_train_loss = total_loss / num_batches
 
     # (`epoch` is the last one of the first loop: the tutorial prints it so too)
-    print(f"Epoch {epoch + 1}, Loss: {average_train_loss}, "
-          f"Accuracy: {train_accuracy.result() * 100}")
+    print(
+        f"Epoch {epoch + 1}, Loss: {average_train_loss}, Accuracy: {train_accuracy.result() * 100}"
+    )
     iterator_loop.append([average_train_loss, train_accuracy.result() * 100])
     train_accuracy.reset_states()
 
@@ -225,15 +243,17 @@ for epoch in range(EPOCHS):
     function_loop.append([train_loss, train_accuracy.result() * 100])
     train_accuracy.reset_states()
 
-report({
-    "global_batch_size": GLOBAL_BATCH_SIZE,
-    "epochs_loss_acc_testloss_testacc": first_loop,
-    "weights_after_first_loop": weights_after_first_loop,
-    "checkpoint_files": checkpoint_files,
-    "latest_checkpoint": latest_checkpoint,
-    "restored_without_strategy_accuracy": restored_accuracy,
-    "restored_weights": checksum(new_model.get_weights()),
-    "iterator_loop_loss_acc": iterator_loop,
-    "tf_function_loop_loss_acc": function_loop,
-    "weights": checksum(model.get_weights()),
-})
+report(
+    {
+        "global_batch_size": GLOBAL_BATCH_SIZE,
+        "epochs_loss_acc_testloss_testacc": first_loop,
+        "weights_after_first_loop": weights_after_first_loop,
+        "checkpoint_files": checkpoint_files,
+        "latest_checkpoint": latest_checkpoint,
+        "restored_without_strategy_accuracy": restored_accuracy,
+        "restored_weights": checksum(new_model.get_weights()),
+        "iterator_loop_loss_acc": iterator_loop,
+        "tf_function_loop_loss_acc": function_loop,
+        "weights": checksum(model.get_weights()),
+    }
+)

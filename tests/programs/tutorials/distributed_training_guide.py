@@ -30,42 +30,48 @@ import tensorflow as tf
 numbers = {}  # (report)
 
 # -- Types of strategies (constructed only)
-mirrored_strategy = make_strategy()                     # MirroredStrategy()
-mirrored_strategy = make_strategy()                     # MirroredStrategy(devices=[gpus])
-mirrored_strategy = make_strategy()                     # (cross_device_ops=HierarchicalCopyAllReduce())
-strategy = make_strategy()                              # MultiWorkerMirroredStrategy()
+mirrored_strategy = make_strategy()  # MirroredStrategy()
+mirrored_strategy = make_strategy()  # MirroredStrategy(devices=[gpus])
+mirrored_strategy = make_strategy()  # (cross_device_ops=HierarchicalCopyAllReduce())
+strategy = make_strategy()  # MultiWorkerMirroredStrategy()
 communication_options = tf.distribute.experimental.CommunicationOptions(
-    implementation=tf.distribute.experimental.CommunicationImplementation.NCCL)
-strategy = make_strategy()                              # (communication_options=...)
-central_storage_strategy = make_strategy()              # CentralStorageStrategy()
+    implementation=tf.distribute.experimental.CommunicationImplementation.NCCL
+)
+strategy = make_strategy()  # (communication_options=...)
+central_storage_strategy = make_strategy()  # CentralStorageStrategy()
 
 # -- The default strategy
 default_strategy = tf.distribute.get_strategy()
 
 strategy = tf.distribute.get_strategy()
-numbers["default_strategy_reduce"] = strategy.reduce("SUM", 1., axis=None)
+numbers["default_strategy_reduce"] = strategy.reduce("SUM", 1.0, axis=None)
 
-if tf.config.list_physical_devices('GPU'):
+if tf.config.list_physical_devices("GPU"):
     strategy = make_strategy()
 else:
     strategy = tf.distribute.get_strategy()
 
 with strategy.scope():
-    print(tf.Variable(1.))
+    print(tf.Variable(1.0))
 
 # -- Use tf.distribute.Strategy with Keras Model.fit
 mirrored_strategy = make_strategy()
 with mirrored_strategy.scope():
-    model = tf.keras.Sequential([
-        tf.keras.layers.Dense(1, input_shape=(1,),
-                              kernel_regularizer=tf.keras.regularizers.L2(1e-4))])
-    model.compile(loss='mse', optimizer='sgd')
+    model = tf.keras.Sequential(
+        [
+            tf.keras.layers.Dense(
+                1, input_shape=(1,), kernel_regularizer=tf.keras.regularizers.L2(1e-4)
+            )
+        ]
+    )
+    model.compile(loss="mse", optimizer="sgd")
 
-dataset = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(100).batch(10)
+dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(100).batch(10)
 numbers["fit_dataset"] = history(model.fit(dataset, epochs=2))
 numbers["evaluate_dataset"] = model.evaluate(dataset)
 
 import numpy as np
+
 inputs, targets = np.ones((100, 1)), np.ones((100, 1))
 numbers["fit_numpy"] = history(model.fit(inputs, targets, epochs=2, batch_size=10))
 numbers["keras_weights"] = checksum(model.get_weights())
@@ -74,8 +80,8 @@ print(mirrored_strategy.num_replicas_in_sync)
 numbers["num_replicas_in_sync"] = mirrored_strategy.num_replicas_in_sync
 
 BATCH_SIZE_PER_REPLICA = 5
-global_batch_size = (BATCH_SIZE_PER_REPLICA * mirrored_strategy.num_replicas_in_sync)
-dataset = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(100)
+global_batch_size = BATCH_SIZE_PER_REPLICA * mirrored_strategy.num_replicas_in_sync
+dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(100)
 dataset = dataset.batch(global_batch_size)
 
 LEARNING_RATES_BY_BATCH_SIZE = {5: 0.1, 10: 0.15, 20: 0.175}
@@ -84,17 +90,21 @@ numbers["learning_rate"] = learning_rate
 
 # -- Use tf.distribute.Strategy with custom training loops
 with mirrored_strategy.scope():
-    model = tf.keras.Sequential([
-        tf.keras.layers.Dense(1, input_shape=(1,),
-                              kernel_regularizer=tf.keras.regularizers.L2(1e-4))])
+    model = tf.keras.Sequential(
+        [
+            tf.keras.layers.Dense(
+                1, input_shape=(1,), kernel_regularizer=tf.keras.regularizers.L2(1e-4)
+            )
+        ]
+    )
     optimizer = tf.keras.optimizers.SGD()
 
-dataset = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(1000).batch(global_batch_size)
+dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(1000).batch(global_batch_size)
 dist_dataset = mirrored_strategy.experimental_distribute_dataset(dataset)
 
 loss_object = tf.keras.losses.BinaryCrossentropy(
-    from_logits=True,
-    reduction=tf.keras.losses.Reduction.NONE)
+    from_logits=True, reduction=tf.keras.losses.Reduction.NONE
+)
 
 
 def train_step(inputs):

@@ -38,9 +38,12 @@ numbers = {}  # (report)
 
 def everyone(strategy, per_replica):
     """(report) The values of every replica, from every worker, sorted."""
-    local = [np.asarray(v).tolist() for v in
-             tf.nest.flatten(tf.nest.map_structure(
-                 lambda v: strategy.experimental_local_results(v), per_replica))]
+    local = [
+        np.asarray(v).tolist()
+        for v in tf.nest.flatten(
+            tf.nest.map_structure(lambda v: strategy.experimental_local_results(v), per_replica)
+        )
+    ]
     return sorted(str(v) for worker in all_workers(local) for v in worker)
 
 
@@ -50,7 +53,7 @@ for i, device in enumerate(tf.config.list_logical_devices()):
 
 # -- Without a strategy
 global_batch_size = 16
-dataset = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(100).batch(global_batch_size)
+dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(100).batch(global_batch_size)
 
 
 @tf.function
@@ -68,13 +71,13 @@ for inputs in dataset:
 global_batch_size = 16
 mirrored_strategy = make_strategy()
 
-dataset = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(100).batch(global_batch_size)
+dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(100).batch(global_batch_size)
 dist_dataset = mirrored_strategy.experimental_distribute_dataset(dataset)
 first = next(iter(dist_dataset))
 print(first)
 numbers["first_distributed_batch"] = everyone(mirrored_strategy, first)
 
-dataset = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(64).batch(16)
+dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(64).batch(16)
 options = tf.data.Options()
 options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
 dataset = dataset.with_options(options)
@@ -85,7 +88,7 @@ mirrored_strategy = make_strategy()
 
 def dataset_fn(input_context):
     batch_size = input_context.get_per_replica_batch_size(global_batch_size)
-    dataset = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(64).batch(16)
+    dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(64).batch(16)
     dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
     dataset = dataset.batch(batch_size)
     dataset = dataset.prefetch(2)
@@ -99,8 +102,14 @@ dist_dataset = mirrored_strategy.distribute_datasets_from_function(dataset_fn)
 # does not.
 numbers["from_function_elements"] = [0, 0.0]
 for x in dist_dataset:
-    for worker in all_workers([np.asarray(v) for v in tf.nest.flatten(tf.nest.map_structure(
-            mirrored_strategy.experimental_local_results, x))]):
+    for worker in all_workers(
+        [
+            np.asarray(v)
+            for v in tf.nest.flatten(
+                tf.nest.map_structure(mirrored_strategy.experimental_local_results, x)
+            )
+        ]
+    ):
         for v in worker:
             numbers["from_function_elements"][0] += int(v.size)
             numbers["from_function_elements"][1] += float(v.sum())
@@ -108,7 +117,7 @@ for x in dist_dataset:
 # -- Distributed iterators: for loop
 global_batch_size = 16
 mirrored_strategy = make_strategy()
-dataset = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(100).batch(global_batch_size)
+dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(100).batch(global_batch_size)
 dist_dataset = mirrored_strategy.experimental_distribute_dataset(dataset)
 
 
@@ -157,7 +166,8 @@ def train_fn(distributed_iterator):
 train_fn(distributed_iterator)
 # (report) the iterator is exhausted now, on every worker alike
 numbers["optional_after_loop_has_value"] = bool(
-    distributed_iterator.get_next_as_optional().has_value())
+    distributed_iterator.get_next_as_optional().has_value()
+)
 
 # -- element_spec as a tf.function input_signature
 global_batch_size = 16
@@ -165,7 +175,7 @@ epochs = 5
 steps_per_epoch = 5
 mirrored_strategy = make_strategy()
 
-dataset = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(100).batch(global_batch_size)
+dataset = tf.data.Dataset.from_tensors(([1.0], [1.0])).repeat(100).batch(global_batch_size)
 dist_dataset = mirrored_strategy.experimental_distribute_dataset(dataset)
 
 
@@ -247,7 +257,8 @@ for index, inputs in dist_dataset:
 print(result)
 # (report) every worker's part of `result`, merged
 numbers["predictions_by_index"] = sorted(
-    [int(i), int(v)] for part in all_workers(result) for i, v in part.items())
+    [int(i), int(v)] for part in all_workers(result) for i, v in part.items()
+)
 
 # -- Tensor inputs: experimental_distribute_values_from_function
 mirrored_strategy = make_strategy()
@@ -274,7 +285,8 @@ def input_gen():
 
 
 dataset = tf.data.Dataset.from_generator(
-    input_gen, output_types=(tf.float32), output_shapes=tf.TensorShape([4]))
+    input_gen, output_types=(tf.float32), output_shapes=tf.TensorShape([4])
+)
 dist_dataset = mirrored_strategy.experimental_distribute_dataset(dataset)
 iterator = iter(dist_dataset)
 numbers["from_generator"] = []

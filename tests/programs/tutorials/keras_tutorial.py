@@ -26,16 +26,16 @@ import os
 print(tf.__version__)
 
 # -- The data, from TensorFlow Datasets (here: local)
-datasets, info = tfds.load(name='mnist', with_info=True, as_supervised=True)
-mnist_train, mnist_test = datasets['train'], datasets['test']
+datasets, info = tfds.load(name="mnist", with_info=True, as_supervised=True)
+mnist_train, mnist_test = datasets["train"], datasets["test"]
 
 # -- The strategy
 strategy = make_strategy()
-print('Number of devices: {}'.format(strategy.num_replicas_in_sync))
+print("Number of devices: {}".format(strategy.num_replicas_in_sync))
 
 # -- The input pipeline: a global batch of 64 examples per replica
-num_train_examples = info.splits['train'].num_examples
-num_test_examples = info.splits['test'].num_examples
+num_train_examples = info.splits["train"].num_examples
+num_test_examples = info.splits["test"].num_examples
 
 BUFFER_SIZE = 10000
 BATCH_SIZE_PER_REPLICA = 64
@@ -53,19 +53,23 @@ eval_dataset = mnist_test.map(scale).batch(BATCH_SIZE)
 
 # -- The model, built and compiled in the scope
 with strategy.scope():
-    model = tf.keras.Sequential([
-        tf.keras.layers.Conv2D(32, 3, activation='relu', input_shape=(28, 28, 1)),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(64, activation='relu'),
-        tf.keras.layers.Dense(10),
-    ])
-    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  optimizer=tf.keras.optimizers.Adam(learning_rate=0.001),
-                  metrics=['accuracy'])
+    model = tf.keras.Sequential(
+        [
+            tf.keras.layers.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)),
+            tf.keras.layers.MaxPooling2D(),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(64, activation="relu"),
+            tf.keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=tf.keras.optimizers.Adam(learning_rate=0.001),
+        metrics=["accuracy"],
+    )
 
 # -- The callbacks
-checkpoint_dir = './training_checkpoints'
+checkpoint_dir = "./training_checkpoints"
 checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt_{epoch:04d}.weights.h5")
 
 
@@ -89,7 +93,7 @@ class PrintLR(tf.keras.callbacks.Callback):
 
 
 callbacks = [
-    tf.keras.callbacks.TensorBoard(log_dir='./logs'),
+    tf.keras.callbacks.TensorBoard(log_dir="./logs"),
     tf.keras.callbacks.ModelCheckpoint(filepath=checkpoint_prefix, save_weights_only=True),
     tf.keras.callbacks.LearningRateScheduler(decay),
     PrintLR(),
@@ -104,25 +108,27 @@ checkpoint_files = sorted(os.listdir(checkpoint_dir))  # the notebook's `!ls {ch
 print(checkpoint_files)
 
 import pathlib
-latest_checkpoint = sorted(pathlib.Path(checkpoint_dir).glob('*'))[-1]
+
+latest_checkpoint = sorted(pathlib.Path(checkpoint_dir).glob("*"))[-1]
 model.load_weights(latest_checkpoint)
 
 eval_loss, eval_acc = model.evaluate(eval_dataset)
 print(f"Eval loss: {eval_loss}, Eval accuracy: {eval_acc}")
 evaluated_after_load_weights = [eval_loss, eval_acc]
 
-log_dirs = sorted(os.listdir('./logs'))  # the notebook's `!ls -sh ./logs`
+log_dirs = sorted(os.listdir("./logs"))  # the notebook's `!ls -sh ./logs`
 print(log_dirs)
 
 # -- The whole model saved, and loaded outside and inside the scope
-path = 'my_model.keras'
+path = "my_model.keras"
 model.save(path)
 
 unreplicated_model = tf.keras.models.load_model(path)
 unreplicated_model.compile(
     loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     optimizer=tf.keras.optimizers.Adam(),
-    metrics=['accuracy'])
+    metrics=["accuracy"],
+)
 eval_loss, eval_acc = unreplicated_model.evaluate(eval_dataset)
 print(f"Eval loss: {eval_loss}, Eval Accuracy: {eval_acc}")
 evaluated_unreplicated = [eval_loss, eval_acc]
@@ -132,21 +138,24 @@ with strategy.scope():
     replicated_model.compile(
         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer=tf.keras.optimizers.Adam(),
-        metrics=['accuracy'])
+        metrics=["accuracy"],
+    )
     eval_loss, eval_acc = replicated_model.evaluate(eval_dataset)
     print(f"Eval loss: {eval_loss}, Eval Accuracy: {eval_acc}")
 
-report({
-    "num_replicas_in_sync": strategy.num_replicas_in_sync,
-    "global_batch_size": BATCH_SIZE,
-    "fit": history(fit_history),
-    "printed_learning_rates": printed_rates,
-    "checkpoint_files": checkpoint_files,
-    "latest_checkpoint": latest_checkpoint.name,
-    "tensorboard_log_dirs": log_dirs,
-    "evaluate_after_load_weights": evaluated_after_load_weights,
-    "evaluate_loaded_without_scope": evaluated_unreplicated,
-    "evaluate_loaded_in_scope": [eval_loss, eval_acc],
-    "weights": checksum(model.get_weights()),
-    "loaded_weights": checksum(replicated_model.get_weights()),
-})
+report(
+    {
+        "num_replicas_in_sync": strategy.num_replicas_in_sync,
+        "global_batch_size": BATCH_SIZE,
+        "fit": history(fit_history),
+        "printed_learning_rates": printed_rates,
+        "checkpoint_files": checkpoint_files,
+        "latest_checkpoint": latest_checkpoint.name,
+        "tensorboard_log_dirs": log_dirs,
+        "evaluate_after_load_weights": evaluated_after_load_weights,
+        "evaluate_loaded_without_scope": evaluated_unreplicated,
+        "evaluate_loaded_in_scope": [eval_loss, eval_acc],
+        "weights": checksum(model.get_weights()),
+        "loaded_weights": checksum(replicated_model.get_weights()),
+    }
+)

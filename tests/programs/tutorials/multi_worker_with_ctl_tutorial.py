@@ -39,7 +39,7 @@ from multiprocessing import util
 
 per_worker_batch_size = 64
 tf_config = json.loads(TF_CONFIG)  # os.environ['TF_CONFIG']
-num_workers = len(tf_config['cluster']['worker'])
+num_workers = len(tf_config["cluster"]["worker"])
 global_batch_size = per_worker_batch_size * num_workers
 
 num_epochs = 3
@@ -47,15 +47,15 @@ num_steps_per_epoch = steps(70)
 
 
 def _is_chief(task_type, task_id, cluster_spec):
-    return (task_type is None
-            or task_type == 'chief'
-            or (task_type == 'worker'
-                and task_id == 0
-                and 'chief' not in cluster_spec.as_dict()))
+    return (
+        task_type is None
+        or task_type == "chief"
+        or (task_type == "worker" and task_id == 0 and "chief" not in cluster_spec.as_dict())
+    )
 
 
 def _get_temp_dir(dirpath, task_id):
-    base_dirpath = 'workertemp_' + str(task_id)
+    base_dirpath = "workertemp_" + str(task_id)
     temp_dir = os.path.join(dirpath, base_dirpath)
     tf.io.gfile.makedirs(temp_dir)
     return temp_dir
@@ -69,7 +69,7 @@ def write_filepath(filepath, task_type, task_id, cluster_spec):
     return os.path.join(dirpath, base)
 
 
-checkpoint_dir = os.path.join(util.get_temp_dir(), 'ckpt')
+checkpoint_dir = os.path.join(util.get_temp_dir(), "ckpt")
 
 strategy = make_strategy()
 
@@ -77,9 +77,10 @@ with strategy.scope():
     multi_worker_model = mnist.build_cnn_model()
 
     multi_worker_dataset = strategy.distribute_datasets_from_function(
-        lambda input_context: mnist.dataset_fn(global_batch_size, input_context))
+        lambda input_context: mnist.dataset_fn(global_batch_size, input_context)
+    )
     optimizer = tf.keras.optimizers.RMSprop(learning_rate=0.001)
-    train_accuracy = tf.keras.metrics.SparseCategoricalAccuracy(name='train_accuracy')
+    train_accuracy = tf.keras.metrics.SparseCategoricalAccuracy(name="train_accuracy")
 
 
 @tf.function
@@ -90,8 +91,8 @@ def train_step(iterator):
         with tf.GradientTape() as tape:
             predictions = multi_worker_model(x, training=True)
             per_example_loss = tf.keras.losses.SparseCategoricalCrossentropy(
-                from_logits=True,
-                reduction=tf.keras.losses.Reduction.NONE)(y, predictions)
+                from_logits=True, reduction=tf.keras.losses.Reduction.NONE
+            )(y, predictions)
             loss = tf.nn.compute_average_loss(per_example_loss)
             model_losses = multi_worker_model.losses
             if model_losses:
@@ -107,22 +108,23 @@ def train_step(iterator):
     return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
 
 
-epoch = tf.Variable(
-    initial_value=tf.constant(0, dtype=tf.dtypes.int64), name='epoch')
+epoch = tf.Variable(initial_value=tf.constant(0, dtype=tf.dtypes.int64), name="epoch")
 step_in_epoch = tf.Variable(
-    initial_value=tf.constant(0, dtype=tf.dtypes.int64),
-    name='step_in_epoch')
+    initial_value=tf.constant(0, dtype=tf.dtypes.int64), name="step_in_epoch"
+)
 
-task_type, task_id, cluster_spec = (strategy.cluster_resolver.task_type,
-                                    strategy.cluster_resolver.task_id,
-                                    strategy.cluster_resolver.cluster_spec())
+task_type, task_id, cluster_spec = (
+    strategy.cluster_resolver.task_type,
+    strategy.cluster_resolver.task_id,
+    strategy.cluster_resolver.cluster_spec(),
+)
 
-checkpoint = tf.train.Checkpoint(
-    model=multi_worker_model, epoch=epoch, step_in_epoch=step_in_epoch)
+checkpoint = tf.train.Checkpoint(model=multi_worker_model, epoch=epoch, step_in_epoch=step_in_epoch)
 
 write_checkpoint_dir = write_filepath(checkpoint_dir, task_type, task_id, cluster_spec)
 checkpoint_manager = tf.train.CheckpointManager(
-    checkpoint, directory=write_checkpoint_dir, max_to_keep=1)
+    checkpoint, directory=write_checkpoint_dir, max_to_keep=1
+)
 
 latest_checkpoint = tf.train.latest_checkpoint(checkpoint_dir)
 if latest_checkpoint:
@@ -141,8 +143,10 @@ while epoch.numpy() < num_epochs:
         step_in_epoch.assign_add(1)
 
     train_loss = total_loss / num_batches
-    print('Epoch: %d, accuracy: %f, train_loss: %f.'
-          % (epoch.numpy(), train_accuracy.result(), train_loss))
+    print(
+        "Epoch: %d, accuracy: %f, train_loss: %f."
+        % (epoch.numpy(), train_accuracy.result(), train_loss)
+    )
     printed.append([epoch.numpy(), train_accuracy.result(), train_loss])
 
     train_accuracy.reset_states()
@@ -154,11 +158,13 @@ while epoch.numpy() < num_epochs:
     epoch.assign_add(1)
     step_in_epoch.assign(0)
 
-report({
-    "global_batch_size": global_batch_size,
-    "epoch_accuracy_loss": printed,
-    "epoch": epoch.numpy(),
-    "step_in_epoch": step_in_epoch.numpy(),
-    "weights": checksum(multi_worker_model.get_weights()),
-    "optimizer_iterations": optimizer.iterations.numpy(),
-})
+report(
+    {
+        "global_batch_size": global_batch_size,
+        "epoch_accuracy_loss": printed,
+        "epoch": epoch.numpy(),
+        "step_in_epoch": step_in_epoch.numpy(),
+        "weights": checksum(multi_worker_model.get_weights()),
+        "optimizer_iterations": optimizer.iterations.numpy(),
+    }
+)

@@ -44,12 +44,13 @@ batch_size = 64
 single_worker_dataset = mnist_setup.mnist_dataset(batch_size)
 single_worker_model = mnist_setup.build_and_compile_cnn_model()
 numbers["single_worker_fit"] = history(
-    single_worker_model.fit(single_worker_dataset, epochs=3, steps_per_epoch=steps(70)))
+    single_worker_model.fit(single_worker_dataset, epochs=3, steps_per_epoch=steps(70))
+)
 
 # -- Multi-worker configuration
 tf_config = {
-    'cluster': {'worker': ['localhost:12345', 'localhost:23456']},
-    'task': {'type': 'worker', 'index': 0},
+    "cluster": {"worker": ["localhost:12345", "localhost:23456"]},
+    "task": {"type": "worker", "index": 0},
 }
 json.dumps(tf_config)
 
@@ -64,7 +65,7 @@ def main_py():
     """main.py, which every worker runs."""
     per_worker_batch_size = 64
     tf_config = json.loads(TF_CONFIG)  # os.environ['TF_CONFIG']
-    num_workers = len(tf_config['cluster']['worker'])
+    num_workers = len(tf_config["cluster"]["worker"])
 
     strategy = make_strategy()
 
@@ -91,15 +92,15 @@ multi_worker_dataset = mnist_setup.mnist_dataset(batch_size=64)
 dataset_no_auto_shard = multi_worker_dataset.with_options(options)
 
 # -- Model saving and loading
-model_path = 'tmp/keras-model'
+model_path = "tmp/keras-model"
 
 
 def _is_chief(task_type, task_id):
-    return (task_type == 'worker' and task_id == 0) or task_type is None
+    return (task_type == "worker" and task_id == 0) or task_type is None
 
 
 def _get_temp_dir(dirpath, task_id):
-    base_dirpath = 'workertemp_' + str(task_id)
+    base_dirpath = "workertemp_" + str(task_id)
     temp_dir = os.path.join(dirpath, base_dirpath)
     tf.io.gfile.makedirs(temp_dir)
     return temp_dir
@@ -113,8 +114,7 @@ def write_filepath(filepath, task_type, task_id):
     return os.path.join(dirpath, base)
 
 
-task_type, task_id = (strategy.cluster_resolver.task_type,
-                      strategy.cluster_resolver.task_id)
+task_type, task_id = (strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id)
 write_model_path = write_filepath(model_path, task_type, task_id)
 
 multi_worker_model.save(write_model_path)
@@ -126,15 +126,17 @@ loaded_model = tf.keras.models.load_model(model_path)
 numbers["loaded_model_weights"] = checksum(loaded_model.get_weights())
 
 numbers["loaded_model_fit"] = history(
-    loaded_model.fit(single_worker_dataset, epochs=2, steps_per_epoch=steps(20)))
+    loaded_model.fit(single_worker_dataset, epochs=2, steps_per_epoch=steps(20))
+)
 
 # -- Checkpoint saving and restoring
-checkpoint_dir = 'tmp/ckpt'
+checkpoint_dir = "tmp/ckpt"
 
 checkpoint = tf.train.Checkpoint(model=multi_worker_model)
 write_checkpoint_dir = write_filepath(checkpoint_dir, task_type, task_id)
 checkpoint_manager = tf.train.CheckpointManager(
-    checkpoint, directory=write_checkpoint_dir, max_to_keep=1)
+    checkpoint, directory=write_checkpoint_dir, max_to_keep=1
+)
 
 checkpoint_manager.save()
 if not _is_chief(task_type, task_id):
@@ -144,30 +146,40 @@ latest_checkpoint = tf.train.latest_checkpoint(checkpoint_dir)
 checkpoint.restore(latest_checkpoint)
 numbers["latest_checkpoint"] = os.path.basename(latest_checkpoint) if latest_checkpoint else None
 numbers["restored_fit"] = history(
-    multi_worker_model.fit(multi_worker_dataset, epochs=2, steps_per_epoch=steps(20)))
+    multi_worker_model.fit(multi_worker_dataset, epochs=2, steps_per_epoch=steps(20))
+)
 numbers["restored_weights"] = checksum(multi_worker_model.get_weights())
 
 # -- The BackupAndRestore callback: backs up at epoch ends by default ...
-callbacks = [tf.keras.callbacks.BackupAndRestore(backup_dir='tmp/backup')]
+callbacks = [tf.keras.callbacks.BackupAndRestore(backup_dir="tmp/backup")]
 with strategy.scope():
     multi_worker_model = mnist_setup.build_and_compile_cnn_model()
-numbers["backup_default_fit"] = history(multi_worker_model.fit(
-    multi_worker_dataset, epochs=3, steps_per_epoch=steps(70), callbacks=callbacks))
+numbers["backup_default_fit"] = history(
+    multi_worker_model.fit(
+        multi_worker_dataset, epochs=3, steps_per_epoch=steps(70), callbacks=callbacks
+    )
+)
 
 # ... the tutorial's "save_freq='epoch'" cell (which passes no save_freq either) ...
-callbacks = [tf.keras.callbacks.BackupAndRestore(backup_dir='tmp/backup')]
+callbacks = [tf.keras.callbacks.BackupAndRestore(backup_dir="tmp/backup")]
 with strategy.scope():
     multi_worker_model = mnist_setup.build_and_compile_cnn_model()
-numbers["backup_epoch_fit"] = history(multi_worker_model.fit(
-    multi_worker_dataset, epochs=3, steps_per_epoch=steps(70), callbacks=callbacks))
+numbers["backup_epoch_fit"] = history(
+    multi_worker_model.fit(
+        multi_worker_dataset, epochs=3, steps_per_epoch=steps(70), callbacks=callbacks
+    )
+)
 
 # ... and every save_freq steps.
-callbacks = [tf.keras.callbacks.BackupAndRestore(backup_dir='tmp/backup', save_freq=steps(30))]
+callbacks = [tf.keras.callbacks.BackupAndRestore(backup_dir="tmp/backup", save_freq=steps(30))]
 with strategy.scope():
     multi_worker_model = mnist_setup.build_and_compile_cnn_model()
-numbers["backup_steps_fit"] = history(multi_worker_model.fit(
-    multi_worker_dataset, epochs=3, steps_per_epoch=steps(70), callbacks=callbacks))
+numbers["backup_steps_fit"] = history(
+    multi_worker_model.fit(
+        multi_worker_dataset, epochs=3, steps_per_epoch=steps(70), callbacks=callbacks
+    )
+)
 numbers["backup_steps_weights"] = checksum(multi_worker_model.get_weights())
 
-numbers["backup_dir_left"] = os.path.exists('tmp/backup') and sorted(os.listdir('tmp/backup'))
+numbers["backup_dir_left"] = os.path.exists("tmp/backup") and sorted(os.listdir("tmp/backup"))
 report(numbers)

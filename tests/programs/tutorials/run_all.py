@@ -77,18 +77,31 @@ def main():
         numbers = _tutorial.LAST_REPORT
         if error is None and numbers is None:
             error = "the program ended without report(...)"
-        result = {"tutorial": name, "strategy": _tutorial.STRATEGY, "keras": args.keras,
-                  "rank": _tutorial.RANK, "ok": error is None, "error": error,
-                  "numbers": numbers, "seconds": round(time.monotonic() - start, 2)}
+        result = {
+            "tutorial": name,
+            "strategy": _tutorial.STRATEGY,
+            "keras": args.keras,
+            "rank": _tutorial.RANK,
+            "ok": error is None,
+            "error": error,
+            "numbers": numbers,
+            "seconds": round(time.monotonic() - start, 2),
+        }
         with open(os.path.join(results, f"{name}.rank{_tutorial.RANK}.json"), "w") as f:
             json.dump(result, f)
         last = error.strip().splitlines()[-1] if error else "ok"
-        print(f"TUTORIAL {name} [{_tutorial.STRATEGY}, rank {_tutorial.RANK}]: "
-              f"{last} ({result['seconds']} s; {time.monotonic() - launched:.1f} s since "
-              "the driver started)", flush=True)
+        print(
+            f"TUTORIAL {name} [{_tutorial.STRATEGY}, rank {_tutorial.RANK}]: "
+            f"{last} ({result['seconds']} s; {time.monotonic() - launched:.1f} s since "
+            "the driver started)",
+            flush=True,
+        )
         sync.wait(name, "end")
-    print(f"TUTORIALS DONE [{_tutorial.STRATEGY}, rank {_tutorial.RANK}] "
-          f"{time.monotonic() - launched:.1f} s after the driver started", flush=True)
+    print(
+        f"TUTORIALS DONE [{_tutorial.STRATEGY}, rank {_tutorial.RANK}] "
+        f"{time.monotonic() - launched:.1f} s after the driver started",
+        flush=True,
+    )
 
 
 class _Sync:
@@ -100,6 +113,7 @@ class _Sync:
         self.comm = None
         if os.environ.get("TUTORIAL_STRATEGY") == "mpi":
             from mpi4py import MPI
+
             if MPI.COMM_WORLD.Get_size() > 1:
                 self.comm = MPI.COMM_WORLD.Dup()  # apart from every strategy's messages
 
@@ -110,11 +124,15 @@ class _Sync:
         deadline = time.monotonic() + self.timeout
         while not request.Test():
             if time.monotonic() > deadline:
-                print(f"TUTORIAL {name}: rank {self.comm.Get_rank()} waited {self.timeout:g} s "
-                      f"at the {where} of the tutorial for the other ranks (stuck, e.g. in a "
-                      "collective a failed rank never joins); aborting the job", flush=True)
+                print(
+                    f"TUTORIAL {name}: rank {self.comm.Get_rank()} waited {self.timeout:g} s "
+                    f"at the {where} of the tutorial for the other ranks (stuck, e.g. in a "
+                    "collective a failed rank never joins); aborting the job",
+                    flush=True,
+                )
                 sys.stderr.flush()
                 from mpi4py import MPI
+
                 MPI.COMM_WORLD.Abort(3)
             time.sleep(0.01)
 

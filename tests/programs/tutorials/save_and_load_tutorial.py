@@ -38,8 +38,8 @@ mirrored_strategy = make_strategy()
 
 
 def get_data():
-    datasets = tfds.load(name='mnist', as_supervised=True)
-    mnist_train, mnist_test = datasets['train'], datasets['test']
+    datasets = tfds.load(name="mnist", as_supervised=True)
+    mnist_train, mnist_test = datasets["train"], datasets["test"]
 
     BUFFER_SIZE = 10000
     BATCH_SIZE_PER_REPLICA = 64
@@ -57,16 +57,20 @@ def get_data():
 
 def get_model():
     with mirrored_strategy.scope():
-        model = tf.keras.Sequential([
-            tf.keras.layers.Conv2D(32, 3, activation='relu', input_shape=(28, 28, 1)),
-            tf.keras.layers.MaxPooling2D(),
-            tf.keras.layers.Flatten(),
-            tf.keras.layers.Dense(64, activation='relu'),
-            tf.keras.layers.Dense(10),
-        ])
-        model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      optimizer=tf.keras.optimizers.Adam(),
-                      metrics=[tf.metrics.SparseCategoricalAccuracy()])
+        model = tf.keras.Sequential(
+            [
+                tf.keras.layers.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)),
+                tf.keras.layers.MaxPooling2D(),
+                tf.keras.layers.Flatten(),
+                tf.keras.layers.Dense(64, activation="relu"),
+                tf.keras.layers.Dense(10),
+            ]
+        )
+        model.compile(
+            loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            optimizer=tf.keras.optimizers.Adam(),
+            metrics=[tf.metrics.SparseCategoricalAccuracy()],
+        )
         return model
 
 
@@ -75,26 +79,27 @@ train_dataset, eval_dataset = get_data()
 numbers["fit"] = history(model.fit(train_dataset, epochs=2))
 
 # -- Keras: Model.save to .keras; load_model without a strategy, and under another one
-keras_model_path = 'keras_save.keras'
+keras_model_path = "keras_save.keras"
 model.save(keras_model_path)
 
 restored_keras_model = tf.keras.models.load_model(keras_model_path)
 numbers["restored_weights"] = checksum(restored_keras_model.get_weights())
 numbers["restored_fit"] = history(restored_keras_model.fit(train_dataset, epochs=2))
 
-another_strategy = tf.distribute.OneDeviceStrategy('/cpu:0')
+another_strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
 with another_strategy.scope():
     restored_keras_model_ds = tf.keras.models.load_model(keras_model_path)
     numbers["restored_one_device_fit"] = history(
-        restored_keras_model_ds.fit(train_dataset, epochs=2))
+        restored_keras_model_ds.fit(train_dataset, epochs=2)
+    )
 
 # -- tf.saved_model: save an untrained model, load it, call its serving signature
 model = get_model()
-saved_model_path = 'tf_save'
+saved_model_path = "tf_save"
 tf.saved_model.save(model, saved_model_path)
 numbers["fresh_model_weights"] = checksum(model.get_weights())
 
-DEFAULT_FUNCTION_KEY = 'serving_default'
+DEFAULT_FUNCTION_KEY = "serving_default"
 loaded = tf.saved_model.load(saved_model_path)
 inference_func = loaded.signatures[DEFAULT_FUNCTION_KEY]
 
@@ -113,11 +118,14 @@ with another_strategy.scope():
         result = another_strategy.run(inference_func, args=(batch,))
         print(result)
         # (report) every replica's outputs of this first batch, from all workers
-        local = {k: [np.asarray(t) for t in another_strategy.experimental_local_results(v)]
-                 for k, v in result.items()}
+        local = {
+            k: [np.asarray(t) for t in another_strategy.experimental_local_results(v)]
+            for k, v in result.items()
+        }
         numbers["distributed_inference"] = {
             k: checksum([np.concatenate([t for worker in all_workers(local) for t in worker[k]])])
-            for k in local}
+            for k in local
+        }
         break
 
 # (the hub.KerasLayer section is not reproduced: see the docstring)
@@ -130,17 +138,18 @@ another_strategy = make_strategy()
 with another_strategy.scope():
     loaded = tf.saved_model.load(saved_model_path)
     numbers["low_level_loaded_variables"] = checksum(
-        sorted((v.numpy() for v in loaded.variables), key=lambda a: (a.shape, a.sum())))
+        sorted((v.numpy() for v in loaded.variables), key=lambda a: (a.shape, a.sum()))
+    )
 
 # -- Saving and loading through the local I/O device
 model = get_model()
-saved_model_path = 'tf_save'
-save_options = tf.saved_model.SaveOptions(experimental_io_device='/job:localhost')
+saved_model_path = "tf_save"
+save_options = tf.saved_model.SaveOptions(experimental_io_device="/job:localhost")
 model.save(saved_model_path, options=save_options)
 
 another_strategy = make_strategy()
 with another_strategy.scope():
-    load_options = tf.saved_model.LoadOptions(experimental_io_device='/job:localhost')
+    load_options = tf.saved_model.LoadOptions(experimental_io_device="/job:localhost")
     loaded = tf.keras.models.load_model(saved_model_path, options=load_options)
 numbers["localhost_saved_weights"] = checksum(model.get_weights())
 numbers["localhost_loaded_weights"] = checksum(loaded.get_weights())
@@ -148,13 +157,11 @@ numbers["localhost_loaded_weights"] = checksum(loaded.get_weights())
 
 # -- Caveats: a subclassed model saved before and after it has traced a call
 class SubclassedModel(tf.keras.Model):
-
-    output_name = 'output_layer'
+    output_name = "output_layer"
 
     def __init__(self):
         super(SubclassedModel, self).__init__()
-        self._dense_layer = tf.keras.layers.Dense(
-            5, dtype=tf.dtypes.float32, name=self.output_name)
+        self._dense_layer = tf.keras.layers.Dense(5, dtype=tf.dtypes.float32, name=self.output_name)
 
     def call(self, inputs):
         return self._dense_layer(inputs)
@@ -164,7 +171,7 @@ my_model = SubclassedModel()
 try:
     my_model.save(saved_model_path)
 except ValueError as e:
-    print(f'{type(e).__name__}: ', *e.args)
+    print(f"{type(e).__name__}: ", *e.args)
     numbers["unbuilt_save_error"] = type(e).__name__
 
 tf.saved_model.save(my_model, saved_model_path)
@@ -179,11 +186,13 @@ BATCH_SIZE_PER_REPLICA = 4
 BATCH_SIZE = BATCH_SIZE_PER_REPLICA * mirrored_strategy.num_replicas_in_sync
 
 dataset_size = 100
-dataset = tf.data.Dataset.from_tensors(
-    (tf.range(5, dtype=tf.float32), tf.range(5, dtype=tf.float32))
-).repeat(dataset_size).batch(BATCH_SIZE)
+dataset = (
+    tf.data.Dataset.from_tensors((tf.range(5, dtype=tf.float32), tf.range(5, dtype=tf.float32)))
+    .repeat(dataset_size)
+    .batch(BATCH_SIZE)
+)
 
-my_model.compile(optimizer='adam', loss='mean_squared_error')
+my_model.compile(optimizer="adam", loss="mean_squared_error")
 numbers["subclassed_fit"] = history(my_model.fit(dataset, epochs=2))
 
 print(my_model.save_spec() is None)

@@ -26,9 +26,14 @@ def resume_if_saved(state: State, directory: str) -> bool:
     values = tf.Variable("")
     _checkpoint(state, values).read(prefix).assert_consumed()
     record = json.loads(values.numpy().decode())
-    logger.warning("mpi_strategy.elastic: resuming from the state saved in %s (commit "
-                   "#%d of an earlier launch on %d rank(s): %s)", os.path.abspath(directory),
-                   record["commit"], record["ranks"], describe(record["values"]))
+    logger.warning(
+        "mpi_strategy.elastic: resuming from the state saved in %s (commit "
+        "#%d of an earlier launch on %d rank(s): %s)",
+        os.path.abspath(directory),
+        record["commit"],
+        record["ranks"],
+        describe(record["values"]),
+    )
     state_lib.resume(state, record["values"], record["commit"])
     return True
 
@@ -36,8 +41,11 @@ def resume_if_saved(state: State, directory: str) -> bool:
 def save(strategy: MPIStrategy, state: State, directory: str) -> None:
     """Writes the variables and values as they are now (every rank calls it:
     the checkpoint's write is a write point, one writer per filesystem)."""
-    record = {"commit": state.commit_number, "values": state_lib.values_of(state),
-              "ranks": strategy.extended.comm.Get_size()}
+    record = {
+        "commit": state.commit_number,
+        "values": state_lib.values_of(state),
+        "ranks": strategy.extended.comm.Get_size(),
+    }
     tf.io.gfile.makedirs(directory)
     _checkpoint(state, tf.Variable(json.dumps(record))).write(os.path.join(directory, _PREFIX))
 
@@ -49,8 +57,9 @@ def remove_saved(strategy: MPIStrategy, directory: str) -> None:
     if ordered is None:
         tf.io.gfile.rmtree(directory)
         return
-    with write_point.write_point(ordered, directory,
-                                 "mpi_strategy.elastic: remove the saved state"):
+    with write_point.write_point(
+        ordered, directory, "mpi_strategy.elastic: remove the saved state"
+    ):
         if write_point.role() != write_point.IN_MEMORY:
             tf.io.gfile.rmtree(directory)
 

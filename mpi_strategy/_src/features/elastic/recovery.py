@@ -28,8 +28,9 @@ def ranks_were_lost(strategy: MPIStrategy, error: BaseException) -> bool:
     return isinstance(error, RanksLostError) or strategy.extended.ordered_comm.failed
 
 
-def recover(strategy: MPIStrategy, state: State, min_ranks: int, directory: str,
-            error: BaseException) -> None:
+def recover(
+    strategy: MPIStrategy, state: State, min_ranks: int, directory: str, error: BaseException
+) -> None:
     """Shrinks to the survivors, agrees on a commit, continues the strategy there
     (collective over the survivors). With fewer than ``min_ranks`` survivors,
     saves that commit in ``directory`` and raises ``TooFewRanksError``."""
@@ -54,13 +55,19 @@ def recover(strategy: MPIStrategy, state: State, min_ranks: int, directory: str,
             f"min_ranks={min_ranks}: the job ends. Commit #{commit} "
             f"({disk.describe(state_lib.values_of(state))}) is saved in "
             f"{os.path.abspath(directory)}; launching the program again resumes from it, "
-            "at any number of ranks.") from error
+            "at any number of ranks."
+        ) from error
     recoveries.append(dict(times, ranks_before=before, ranks_after=size, commit=commit))
     logger.warning(
         "mpi_strategy.elastic: lost %d rank(s); continuing on %d from commit #%d "
         "(agree and shrink %.3f s, rebuild the strategy %.3f s, roll back %.3f s)",
-        before - size, size, commit, times["shrink_s"], times["rebuild_s"],
-        times["rollback_s"])
+        before - size,
+        size,
+        commit,
+        times["shrink_s"],
+        times["rebuild_s"],
+        times["rollback_s"],
+    )
 
 
 def continue_on(strategy: MPIStrategy, state: State, comm: MPI.Intracomm) -> None:

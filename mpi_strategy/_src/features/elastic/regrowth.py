@@ -42,17 +42,23 @@ class Regrowth:
         missing = self._size - self._strategy.extended.comm.Get_size()
         if missing > 0:
             self._spawning = replacement.Spawning(self._strategy.extended.comm, missing)
-            logger.warning("mpi_strategy.elastic: starting %d replacement(s); they join "
-                           "at the first commit once they are ready", missing)
+            logger.warning(
+                "mpi_strategy.elastic: starting %d replacement(s); they join "
+                "at the first commit once they are ready",
+                missing,
+            )
 
     def stop(self) -> None:
         """The program ends: replacements not joined yet leave."""
         state_lib.on_commit(self._state, None)
         self._dismiss(wait_s=_SPAWN_WAIT_AT_END_S)
         if self._dismissed:
-            logger.error("mpi_strategy.elastic: a spawn of replacements did not return in "
-                         "%d s; they end on their own within %d s.", _SPAWN_WAIT_AT_END_S,
-                         replacement.START_LIMIT_S)
+            logger.error(
+                "mpi_strategy.elastic: a spawn of replacements did not return in "
+                "%d s; they end on their own within %d s.",
+                _SPAWN_WAIT_AT_END_S,
+                replacement.START_LIMIT_S,
+            )
         replacement.flush_sends(_SPAWN_WAIT_AT_END_S)
 
     def _dismiss(self, wait_s: float = 0.0) -> None:
@@ -87,13 +93,23 @@ class Regrowth:
             return  # given up: training goes on with the survivors
         before = ordered.size
         recovery.continue_on(self._strategy, self._state, merged)
-        replacements.append({"started_at": spawning.started_at,
-                             "spawned_at": spawning.spawned_at, "joined_at": time.time(),
-                             "join_s": time.monotonic() - started, "ranks_before": before,
-                             "ranks_after": merged.Get_size(),
-                             "commit": self._state.commit_number})
-        logger.warning("mpi_strategy.elastic: %d replacement(s) joined: continuing on %d "
-                       "ranks from commit #%d (%.1f s after they were started)",
-                       merged.Get_size() - before, merged.Get_size(),
-                       self._state.commit_number, time.time() - spawning.started_at)
+        replacements.append(
+            {
+                "started_at": spawning.started_at,
+                "spawned_at": spawning.spawned_at,
+                "joined_at": time.time(),
+                "join_s": time.monotonic() - started,
+                "ranks_before": before,
+                "ranks_after": merged.Get_size(),
+                "commit": self._state.commit_number,
+            }
+        )
+        logger.warning(
+            "mpi_strategy.elastic: %d replacement(s) joined: continuing on %d "
+            "ranks from commit #%d (%.1f s after they were started)",
+            merged.Get_size() - before,
+            merged.Get_size(),
+            self._state.commit_number,
+            time.time() - spawning.started_at,
+        )
         raise WorldGrew()

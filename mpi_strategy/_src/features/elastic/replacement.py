@@ -47,8 +47,11 @@ JOIN_TIMEOUT_S = 120  # a replacement told to join that is not joined by then en
 
 # The command line and working directory this process was started with, to
 # start it again; taken at import, before the program changes either.
-_LAUNCH: dict[str, Any] = {"argv": list(getattr(sys, "orig_argv", [])), "cwd": os.getcwd(),
-                           "program": sys.argv[0] if sys.argv else ""}
+_LAUNCH: dict[str, Any] = {
+    "argv": list(getattr(sys, "orig_argv", [])),
+    "cwd": os.getcwd(),
+    "program": sys.argv[0] if sys.argv else "",
+}
 
 # Run by a replacement's interpreter: the survivors' environment (the launcher
 # gives spawned processes its own) and working directory, then the survivors'
@@ -74,12 +77,14 @@ def check_can_replace() -> None:
         raise MPIStrategyError(
             "mpi_strategy.elastic.run(replace_lost=True) starts the program again for each "
             "lost rank: run it as `python train.py ...` or `python -m package.module ...` "
-            f"(this process: {_LAUNCH['argv'] or sys.argv}).")
+            f"(this process: {_LAUNCH['argv'] or sys.argv})."
+        )
     if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
         raise MPIStrategyError(
             "mpi_strategy.elastic.run(replace_lost=True) spawns replacements from a thread "
             "while training goes on: MPI must be initialized with MPI_THREAD_MULTIPLE "
-            "(mpi4py's default).")
+            "(mpi4py's default)."
+        )
 
 
 class Spawning:
@@ -98,18 +103,24 @@ class Spawning:
         self._intercomm: MPI.Intercomm | None = None
         self._error: MPI.Exception | None = None
         self._settled = threading.Event()  # joined or dismissed: no more heartbeats
-        self._thread = threading.Thread(target=self._spawn, daemon=True,
-                                        name="mpi_strategy-spawn")
+        self._thread = threading.Thread(target=self._spawn, daemon=True, name="mpi_strategy-spawn")
         self._thread.start()
 
     def _spawn(self) -> None:
         args: list[str] | None = None
         if self._rank == 0:
-            args = ["-c", _BOOT, json.dumps(dict(os.environ)), _LAUNCH["cwd"],
-                    json.dumps(_LAUNCH["argv"][1:]), str(START_LIMIT_S)]
+            args = [
+                "-c",
+                _BOOT,
+                json.dumps(dict(os.environ)),
+                _LAUNCH["cwd"],
+                json.dumps(_LAUNCH["argv"][1:]),
+                str(START_LIMIT_S),
+            ]
         try:
-            intercomm = self._spawn_comm.Spawn(sys.executable, args=args,
-                                               maxprocs=self.count, root=0)
+            intercomm = self._spawn_comm.Spawn(
+                sys.executable, args=args, maxprocs=self.count, root=0
+            )
             intercomm.Set_errhandler(MPI.ERRORS_RETURN)
             self._intercomm = intercomm
         except MPI.Exception as error:
@@ -141,13 +152,15 @@ class Spawning:
         if decision not in (WAIT, JOIN):
             decision = GIVE_UP
             self._thread.join()
-            logger.warning("mpi_strategy.elastic: could not start %d replacement(s) (%s); "
-                           "training goes on without them.", self.count,
-                           self._error.Get_error_string() if self._error else "see rank 0")
+            logger.warning(
+                "mpi_strategy.elastic: could not start %d replacement(s) (%s); "
+                "training goes on without them.",
+                self.count,
+                self._error.Get_error_string() if self._error else "see rank 0",
+            )
         return decision
 
-    def join(self, newest: tuple[int, dict[str, Any], list[np.ndarray]]
-             ) -> MPI.Intracomm | None:
+    def join(self, newest: tuple[int, dict[str, Any], list[np.ndarray]]) -> MPI.Intracomm | None:
         """Every survivor: merges with the ready replacements and sends them
         ``newest`` (rank 0's commit); returns the merged communicator (survivors
         first), or None if a replacement built a state of other shapes. Raises
@@ -166,9 +179,11 @@ class Spawning:
             merged = intercomm.Merge(high=False)
             merged.Set_errhandler(MPI.ERRORS_RETURN)
             if not merged.Agree(1):  # every rank holds the state, of the same shapes
-                logger.error("mpi_strategy.elastic: a replacement built a state of other "
-                             "shapes than the survivors' (see its error); training goes on "
-                             "without it.")
+                logger.error(
+                    "mpi_strategy.elastic: a replacement built a state of other "
+                    "shapes than the survivors' (see its error); training goes on "
+                    "without it."
+                )
                 return None
             return merged
         except MPI.Exception:
@@ -210,24 +225,40 @@ def _send(intercomm: MPI.Intercomm, message: int) -> None:
 
 def _layout(specs: Any) -> list[list[Any]]:
     """[[shape, dtype name, bytes]] of (shape, numpy dtype) pairs."""
-    return [[list(shape), np.dtype(dtype).name, int(np.prod(shape)) * np.dtype(dtype).itemsize]
-            for shape, dtype in specs]
+    return [
+        [list(shape), np.dtype(dtype).name, int(np.prod(shape)) * np.dtype(dtype).itemsize]
+        for shape, dtype in specs
+    ]
 
 
-def _send_commit(intercomm: MPI.Intercomm, root: int, number: int, values: dict[str, Any],
-                 arrays: list[np.ndarray]) -> None:
+def _send_commit(
+    intercomm: MPI.Intercomm,
+    root: int,
+    number: int,
+    values: dict[str, Any],
+    arrays: list[np.ndarray],
+) -> None:
     """Rank 0 of the survivors to every replacement: a JSON header (commit
     number, the state's values, the arrays' layout), then each array's bytes."""
-    header = np.frombuffer(json.dumps({"number": number, "values": values, "layout": _layout(
-        (a.shape, a.dtype) for a in arrays)}).encode(), np.uint8)
+    header = np.frombuffer(
+        json.dumps(
+            {
+                "number": number,
+                "values": values,
+                "layout": _layout((a.shape, a.dtype) for a in arrays),
+            }
+        ).encode(),
+        np.uint8,
+    )
     intercomm.Bcast(_word(header.size), root=root)
     intercomm.Bcast(header, root=root)
     for array in arrays:
         intercomm.Bcast(np.ascontiguousarray(array).view(np.uint8).reshape(-1), root=root)
 
 
-def _receive_commit(intercomm: MPI.Intercomm, specs: list[tuple[tuple[int, ...], Any]]
-                    ) -> tuple[int, dict[str, Any], list[np.ndarray]] | None:
+def _receive_commit(
+    intercomm: MPI.Intercomm, specs: list[tuple[tuple[int, ...], Any]]
+) -> tuple[int, dict[str, Any], list[np.ndarray]] | None:
     """The commit ``_send_commit`` sends, as (number, values, arrays of ``specs``,
     (shape, dtype) pairs) or None (after receiving it all) if its layout differs."""
     size = _word()
@@ -240,12 +271,19 @@ def _receive_commit(intercomm: MPI.Intercomm, specs: list[tuple[tuple[int, ...],
         arrays.append(np.empty(nbytes, np.uint8))
         intercomm.Bcast(arrays[-1], root=0)
     if header["layout"] != _layout(specs):
-        logger.error("mpi_strategy.elastic: this replacement's state (shapes and dtypes %s) "
-                     "is not the survivors' (%s): the program must build the same state on "
-                     "every rank.", _layout(specs), header["layout"])
+        logger.error(
+            "mpi_strategy.elastic: this replacement's state (shapes and dtypes %s) "
+            "is not the survivors' (%s): the program must build the same state on "
+            "every rank.",
+            _layout(specs),
+            header["layout"],
+        )
         return None
-    return header["number"], header["values"], [
-        a.view(dtype).reshape(shape) for a, (shape, dtype) in zip(arrays, specs)]
+    return (
+        header["number"],
+        header["values"],
+        [a.view(dtype).reshape(shape) for a, (shape, dtype) in zip(arrays, specs)],
+    )
 
 
 def flush_sends(timeout_s: float) -> None:
@@ -264,8 +302,9 @@ def flush_sends(timeout_s: float) -> None:
         _pending_sends.pop(0)
 
 
-def join_survivors(specs: list[tuple[tuple[int, ...], Any]]
-                   ) -> tuple[MPI.Intracomm, tuple[int, dict[str, Any], list[np.ndarray]]]:
+def join_survivors(
+    specs: list[tuple[tuple[int, ...], Any]],
+) -> tuple[MPI.Intracomm, tuple[int, dict[str, Any], list[np.ndarray]]]:
     """In a replacement, at ``elastic.run``: tells the survivors it is ready and
     waits for their decision at their next commit. Told to join, receives the
     commit (its arrays must have the (shape, dtype) ``specs`` of this state)
@@ -282,13 +321,18 @@ def join_survivors(specs: list[tuple[tuple[int, ...], Any]]
     decided = _word(decision)
     world.Bcast(decided, root=0)
     if decided[0] == _SILENT:  # MPI_Finalize could wait for the dead: end at once
-        logger.error("mpi_strategy.elastic: no word from the survivors' rank 0 for %d s; "
-                     "this replacement ends (status 1).", SILENCE_S)
+        logger.error(
+            "mpi_strategy.elastic: no word from the survivors' rank 0 for %d s; "
+            "this replacement ends (status 1).",
+            SILENCE_S,
+        )
         sys.stderr.flush()
         os._exit(1)
     if decided[0] == _LEAVE:
-        logger.error("mpi_strategy.elastic: this replacement is not needed any more (the "
-                     "survivors lost another rank or finished); it ends.")
+        logger.error(
+            "mpi_strategy.elastic: this replacement is not needed any more (the "
+            "survivors lost another rank or finished); it ends."
+        )
         signal.alarm(0)
         raise SystemExit(0)
     watchdog = threading.Timer(JOIN_TIMEOUT_S, _join_timed_out)
@@ -302,8 +346,10 @@ def join_survivors(specs: list[tuple[tuple[int, ...], Any]]
     watchdog.cancel()
     signal.alarm(0)
     if newest is None or not joined:  # (newest is None: not fits)
-        raise MPIStrategyError("mpi_strategy.elastic: this replacement could not join the "
-                               "survivors (its state does not fit theirs, or another's).")
+        raise MPIStrategyError(
+            "mpi_strategy.elastic: this replacement could not join the "
+            "survivors (its state does not fit theirs, or another's)."
+        )
     return merged, newest
 
 
@@ -325,7 +371,10 @@ def _wait_for_decision(parent: MPI.Intercomm) -> int:
 
 
 def _join_timed_out() -> None:
-    logger.error("mpi_strategy.elastic: this replacement was told to join but the join did "
-                 "not complete in %d s (a survivor died meanwhile?); it ends.", JOIN_TIMEOUT_S)
+    logger.error(
+        "mpi_strategy.elastic: this replacement was told to join but the join did "
+        "not complete in %d s (a survivor died meanwhile?); it ends.",
+        JOIN_TIMEOUT_S,
+    )
     sys.stderr.flush()
     os._exit(1)

@@ -66,9 +66,13 @@ from mpi_strategy._src.features.elastic.state import State
 Result = TypeVar("Result")
 
 
-def run(strategy: MPIStrategy, state: State, min_ranks: int = 1,
-        directory: str | os.PathLike[str] = "elastic_state",
-        replace_lost: bool = False) -> Callable[[Callable[..., Result]], Callable[..., Result]]:
+def run(
+    strategy: MPIStrategy,
+    state: State,
+    min_ranks: int = 1,
+    directory: str | os.PathLike[str] = "elastic_state",
+    replace_lost: bool = False,
+) -> Callable[[Callable[..., Result]], Callable[..., Result]]:
     """Decorator: calls the function with ``state`` until it returns, continuing
     on the survivors each time ranks are lost (see the module docstring).
 
@@ -82,8 +86,9 @@ def run(strategy: MPIStrategy, state: State, min_ranks: int = 1,
     at the first commit after they are ready, and the world returns to its size.
     """
     if isinstance(min_ranks, bool) or not isinstance(min_ranks, int) or min_ranks < 1:
-        raise ValueError(f"mpi_strategy.elastic.run: min_ranks must be an int >= 1, "
-                         f"got {min_ranks!r}.")
+        raise ValueError(
+            f"mpi_strategy.elastic.run: min_ranks must be an int >= 1, got {min_ranks!r}."
+        )
     where = os.fspath(directory)
 
     def decorate(train: Callable[..., Result]) -> Callable[..., Result]:
@@ -96,22 +101,31 @@ def run(strategy: MPIStrategy, state: State, min_ranks: int = 1,
                 resumed = not state.commit_number and _start(strategy, state, where)
             regrowth = regrowth_lib.Regrowth(strategy, state) if replace_lost else None
             try:
-                result = _train_until_done(train, strategy, state, min_ranks, where,
-                                           regrowth, args, kwargs)
+                result = _train_until_done(
+                    train, strategy, state, min_ranks, where, regrowth, args, kwargs
+                )
             finally:
                 if regrowth:
                     regrowth.stop()
             if resumed:
                 disk.remove_saved(strategy, where)
             return result
+
         return elastic_train
+
     return decorate
 
 
-def _train_until_done(train: Callable[..., Result], strategy: MPIStrategy, state: State,
-                      min_ranks: int, directory: str,
-                      regrowth: regrowth_lib.Regrowth | None, args: tuple[Any, ...],
-                      kwargs: dict[str, Any]) -> Result:
+def _train_until_done(
+    train: Callable[..., Result],
+    strategy: MPIStrategy,
+    state: State,
+    min_ranks: int,
+    directory: str,
+    regrowth: regrowth_lib.Regrowth | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Result:
     while True:
         try:
             return train(state, *args, **kwargs)
@@ -159,9 +173,12 @@ def _start(strategy: MPIStrategy, state: State, directory: str) -> bool:
     if ulfm.ulfm_launch():
         ending.end_without_finalize(strategy)
     elif strategy.extended.comm.Get_size() > 1:
-        logger.warning("mpi_strategy.elastic: this launch has no User-Level Failure Mitigation "
-                       "(%s): a lost rank ends the job. For elastic training, launch with Open "
-                       "MPI 5's `mpirun --with-ft ulfm`.", MPI.Get_library_version().split(",")[0])
+        logger.warning(
+            "mpi_strategy.elastic: this launch has no User-Level Failure Mitigation "
+            "(%s): a lost rank ends the job. For elastic training, launch with Open "
+            "MPI 5's `mpirun --with-ft ulfm`.",
+            MPI.Get_library_version().split(",")[0],
+        )
     if disk.resume_if_saved(state, directory):
         return True
     state.commit()
@@ -172,8 +189,9 @@ def _build_optimizers(strategy: MPIStrategy, trackables: tuple[Any, ...]) -> Non
     """Creates the slots (momentum, ...) of Keras optimizers that have not made
     a step yet, so that the first commit holds them: a rollback to it must
     reset them too."""
-    models = [t for t in trackables if hasattr(t, "trainable_variables")
-              and not hasattr(t, "iterations")]
+    models = [
+        t for t in trackables if hasattr(t, "trainable_variables") and not hasattr(t, "iterations")
+    ]
     for optimizer in trackables:
         if hasattr(optimizer, "iterations") and not getattr(optimizer, "built", True):
             with strategy.scope():

@@ -57,12 +57,17 @@ def synchronous_checkpoint_wrapper(original: Callable[..., Any]) -> Callable[...
 
     @functools.wraps(original)
     def synchronous(self: Any, file_prefix: Any, options: Any = None) -> Any:
-        if (options is not None and options.experimental_enable_async_checkpoint
-                and write_point.ordered_comm_for(self) is not None):
+        if (
+            options is not None
+            and options.experimental_enable_async_checkpoint
+            and write_point.ordered_comm_for(self) is not None
+        ):
             options = copy.copy(options)
             options.experimental_enable_async_checkpoint = False
-            logger.warning("mpi_strategy: asynchronous checkpoints are written "
-                           "synchronously under MPIStrategy (every rank meets in the save).")
+            logger.warning(
+                "mpi_strategy: asynchronous checkpoints are written "
+                "synchronously under MPIStrategy (every rank meets in the save)."
+            )
         return original(self, file_prefix, options=options)
 
     return synchronous
@@ -107,8 +112,11 @@ def _scope_of_model(bound: inspect.BoundArguments) -> contextlib.AbstractContext
     (Keras 3 creates nothing there; it saves metric values as MirroredStrategy
     does, from the first replica, outside the scope.)"""
     model: Any = bound.arguments.get("model")
-    if (tf.distribute.has_strategy() or write_point.alone()
-            or not type(model).__module__.startswith("tf_keras.")):
+    if (
+        tf.distribute.has_strategy()
+        or write_point.alone()
+        or not type(model).__module__.startswith("tf_keras.")
+    ):
         return contextlib.nullcontext()
     return model.distribute_strategy.scope()
 
@@ -120,8 +128,12 @@ def _replaced_when_nested(call: WriteCall, path: Any) -> bool:
         return False
     path = os.fspath(path)
     in_memory, in_scratch = path.startswith("ram://"), _in_scratch(path)
-    ours = {"memory": in_memory, "scratch": in_scratch,  # (scratch: opens local files only)
-            "devnull": in_memory or in_scratch, "same": in_memory or in_scratch}
+    ours = {
+        "memory": in_memory,
+        "scratch": in_scratch,  # (scratch: opens local files only)
+        "devnull": in_memory or in_scratch,
+        "same": in_memory or in_scratch,
+    }
     return not ours.get(call.instead, False)
 
 
@@ -135,8 +147,9 @@ def _attribute(bound: inspect.BoundArguments, where: str) -> Any:
     return bound.arguments.get(where)
 
 
-def _instead(function: Callable[..., Any], bound: inspect.BoundArguments, call: WriteCall,
-             path: Any) -> Any:
+def _instead(
+    function: Callable[..., Any], bound: inspect.BoundArguments, call: WriteCall, path: Any
+) -> Any:
     """What a rank that does not write for ``path`` does instead of ``function``."""
     if call.instead == "skip":
         return None
@@ -146,6 +159,7 @@ def _instead(function: Callable[..., Any], bound: inspect.BoundArguments, call: 
         return function(*bound.args, **bound.kwargs)
     if call.instead == "h5_memory":
         import h5py
+
         with h5py.File(io.BytesIO(), "w") as memory_file:
             bound.arguments[call.path] = memory_file
             return function(*bound.args, **bound.kwargs)
@@ -187,11 +201,17 @@ def _scratch_root() -> str | None:
 def _is_h5(bound: inspect.BoundArguments, path: Any) -> bool:
     save_format = str(bound.arguments.get("save_format") or "").lower()
     return save_format in ("h5", "hdf5", "keras") or (
-        not save_format and os.fspath(path).endswith((".h5", ".hdf5", ".keras")))
+        not save_format and os.fspath(path).endswith((".h5", ".hdf5", ".keras"))
+    )
 
 
-def _with_attributes_at(function: Callable[..., Any], bound: inspect.BoundArguments,
-                        call: WriteCall, path: Any, target: str) -> Any:
+def _with_attributes_at(
+    function: Callable[..., Any],
+    bound: inspect.BoundArguments,
+    call: WriteCall,
+    path: Any,
+    target: str,
+) -> Any:
     """Calls a method with its path attributes moved from ``path`` to ``target``."""
     owner = bound.arguments["self"]
     saved = {name: getattr(owner, name) for name in call.attrs}
@@ -211,11 +231,11 @@ def _with_attributes_at(function: Callable[..., Any], bound: inspect.BoundArgume
 def _real_path_in(result: Any, target: str, path: str) -> Any:
     """``result`` with the in-memory path replaced by the real one (returned paths)."""
     if isinstance(result, str) and result.startswith(target):
-        return path + result[len(target):]
+        return path + result[len(target) :]
     if tf.is_tensor(result) and result.dtype == tf.string and result.shape.rank == 0:
         text = result.numpy().decode()
         if text.startswith(target):
-            return tf.constant(path + text[len(target):])
+            return tf.constant(path + text[len(target) :])
     return result
 
 
@@ -224,7 +244,10 @@ def only_chief_writes(path: str, comm: Any = None) -> Iterator[str]:
     """Deprecated: yields ``path``. A save made on every rank now writes once
     per filesystem by itself (docs/checkpointing.md)."""
     del comm
-    warnings.warn("mpi_strategy.only_chief_writes is no longer needed: call the save on "
-                  "every rank with the real path; it is written once.", DeprecationWarning,
-                  stacklevel=3)
+    warnings.warn(
+        "mpi_strategy.only_chief_writes is no longer needed: call the save on "
+        "every rank with the real path; it is written once.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     yield path

@@ -46,17 +46,33 @@ from mpi_strategy._src.core.rendezvous import Kind, Rendezvous
 from mpi_strategy._src.distribute.ops import OrderedComm
 from mpi_strategy._src.distribute.strategy import MPIStrategy, newest_over_the_world
 
-WRITE = rendezvous_lib.register_kind(Kind(
-    5, "a save", meeting=True, partial=True, solo_label="saving alone", solo_advice=(
-        "A rank is saving alone (the other ranks did not make the same save call) and "
-        "the save reads a value that is summed over all ranks (a metric, or another "
-        "sync-on-read variable), which needs every rank. Make the save call on every "
-        "rank, as a one-process program does (mpi_strategy writes the files once), or "
-        "save only objects without metrics.")))
-WRITE_DONE = rendezvous_lib.register_kind(Kind(
-    6, "the end of a save", meeting=True, blame=(
-        "A rank left a save before the others (at the end of a save): the save failed "
-        "there (see that rank's own error), and its files are not complete.")))
+WRITE = rendezvous_lib.register_kind(
+    Kind(
+        5,
+        "a save",
+        meeting=True,
+        partial=True,
+        solo_label="saving alone",
+        solo_advice=(
+            "A rank is saving alone (the other ranks did not make the same save call) and "
+            "the save reads a value that is summed over all ranks (a metric, or another "
+            "sync-on-read variable), which needs every rank. Make the save call on every "
+            "rank, as a one-process program does (mpi_strategy writes the files once), or "
+            "save only objects without metrics."
+        ),
+    )
+)
+WRITE_DONE = rendezvous_lib.register_kind(
+    Kind(
+        6,
+        "the end of a save",
+        meeting=True,
+        blame=(
+            "A rank left a save before the others (at the end of a save): the save failed "
+            "there (see that rank's own error), and its files are not complete."
+        ),
+    )
+)
 
 # What this rank does inside the write point it is in (None: in none);
 # NOT_OURS: inside a listed call that is not this library's work, whose
@@ -69,7 +85,8 @@ _ERROR_CHARS = 2000
 _local = threading.local()
 _counter = itertools.count(1)  # next() is atomic under the GIL
 _topologies: weakref.WeakKeyDictionary[OrderedComm, filesystems.Topology] = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 
 
 def role() -> str | None:
@@ -150,8 +167,12 @@ def ordered_comm_of(strategy: tf.distribute.Strategy | None) -> OrderedComm | No
 def applies(path: Any, written: Any = NO_OBJECT) -> OrderedComm | None:
     """The ordered communicator on which a call writing ``path`` (holding
     ``written``) is a write point, or None if it runs unchanged."""
-    if (role() is not None or not isinstance(path, (str, os.PathLike))
-            or os.fspath(path).startswith("ram://") or not tf.executing_eagerly()):
+    if (
+        role() is not None
+        or not isinstance(path, (str, os.PathLike))
+        or os.fspath(path).startswith("ram://")
+        or not tf.executing_eagerly()
+    ):
         return None
     return ordered_comm_for(written)
 
@@ -170,8 +191,7 @@ def write_point(ordered: OrderedComm, path: str | os.PathLike[str], what: str) -
     """
     path = os.fspath(path)
     rendezvous = ordered.rendezvous
-    everyone = rendezvous.agree(WRITE, np.uint8, [], tag=what,
-                                nbytes=zlib.crc32(path.encode()))
+    everyone = rendezvous.agree(WRITE, np.uint8, [], tag=what, nbytes=zlib.crc32(path.encode()))
     if everyone is None:
         # Made on some ranks only: they write, as the program asked; if several
         # made this very call, the lowest of them writes (they would race).
@@ -242,4 +262,5 @@ def _meet_after(ordered: OrderedComm, what: str, path: str, failure: str) -> Non
     failed = [f"rank {r}: {text}" for r, text in enumerate(texts) if text]
     raise MPIStrategyError(
         f"mpi_strategy: {what}({path!r}) failed on another rank, so it is not "
-        f"complete: {'; '.join(failed)}")
+        f"complete: {'; '.join(failed)}"
+    )
