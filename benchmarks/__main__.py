@@ -12,6 +12,7 @@ compared pair is measured in the same run.
 """
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -103,16 +104,16 @@ def train_variant(model, variant, ranks, batch, steps, warmup):
     step_args = ["--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
     script = _python("benchmarks.train_step", model)
     if variant == "no_strategy":
-        commands = [(script + ["none"] + step_args, {})]
+        commands = [([*script, "none", *step_args], {})]
     elif variant == "mpi_1_rank":
-        commands = [(script + ["mpi"] + step_args, {})]
+        commands = [([*script, "mpi", *step_args], {})]
     elif variant == "mpi":
-        commands = [(mpiexec_command(ranks) + script + ["mpi"] + step_args, mpiexec_env())]
+        commands = [([*mpiexec_command(ranks), *script, "mpi", *step_args], mpiexec_env())]
     elif variant == "mwms":
         cluster = {"worker": [f"localhost:{p}" for p in _free_ports(ranks)]}
         commands = [
             (
-                script + ["mwms"] + step_args,
+                [*script, "mwms", *step_args],
                 {
                     "TF_CONFIG": json.dumps(
                         {"cluster": cluster, "task": {"type": "worker", "index": i}}
@@ -124,7 +125,7 @@ def train_variant(model, variant, ranks, batch, steps, warmup):
     elif variant == "ceiling":
         # Independent processes, each with its share of the batch, at the same time.
         half = ["--batch", str(batch // ranks), "--steps", str(steps), "--warmup", str(warmup)]
-        commands = [(script + ["none"] + half, {}) for _ in range(ranks)]
+        commands = [([*script, "none", *half], {}) for _ in range(ranks)]
     else:
         raise ValueError(variant)
     start = time.monotonic()
@@ -208,10 +209,8 @@ def machine_info():
         "numpy",
         "matplotlib",
     ]:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            pass
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
@@ -369,8 +368,8 @@ def run_part(name, quick, out_dir):
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=2)
     text = "\n".join(
-        part.markdown(result[name])
-        + [
+        [
+            *part.markdown(result[name]),
             f"Load average before / after: {result['load_before']} / "
             f"{result['load_after']} (2 cores, shared machine).",
             "",

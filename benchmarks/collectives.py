@@ -29,12 +29,12 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import numpy as np
+import tensorflow as tf
+from mpi4py import MPI
 
-import mpi_strategy  # noqa: E402
-from benchmarks import models  # noqa: E402
+import mpi_strategy
+from benchmarks import models
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)

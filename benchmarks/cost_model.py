@@ -28,13 +28,15 @@ with ``w`` (``OVERLAP_WINDOW``) the share of the compute that remains after
 the first bucket is ready, and ``n_last`` the first layers' bucket, which is
 ready only when the backward pass ends. Each step is also labelled by its
 largest term: compute-bound (T_c), latency-bound (2 log2(p) alpha) or
-bandwidth-bound (2 (p-1)/p n beta). Throughput speedup over one core is ``p x T_step(1) / T_step(p)``
-(weak scaling: the per-replica batch stays b, as in the paper's runs).
+bandwidth-bound (2 (p-1)/p n beta). Throughput speedup over one core is
+``p x T_step(1) / T_step(p)`` (weak scaling: the per-replica batch stays b, as
+in the paper's runs).
 
 On more than one node every step of the allreduce is charged at the slower
 of the network's and the node's alpha and beta (pessimistic: in a node-ordered
-ring or halving schedule some steps stay inside a node). Networks other than this machine's shared memory
-are *assumed* figures, not measurements: see ``NETWORKS``.
+ring or halving schedule some steps stay inside a node). Networks other than
+this machine's shared memory are *assumed* figures, not measurements: see
+``NETWORKS``.
 
     python -m benchmarks.cost_model benchmarks/results/latest.json   # re-project from results
 """

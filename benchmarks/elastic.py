@@ -40,7 +40,6 @@ import sys
 import tempfile
 
 from benchmarks import json_objects, load_average
-
 from testing.launch import OPEN_MPI_ENV, open_mpi_command, run_launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -234,7 +233,7 @@ def markdown(part):
     """The part as markdown lines (for elastic.md)."""
     lines = ["### Elastic mode's cost when nothing fails (`python -m benchmarks --elastic`)", ""]
     if "skipped" in part:
-        return lines + [f"Skipped: {part['skipped']}", ""]
+        return [*lines, f"Skipped: {part['skipped']}", ""]
     lines += [
         f"{part['ranks']} ranks under `{part['mpirun']}` (Open MPI 5), global batch "
         f"{part['global_batch']}, {part['steps']} timed steps after {part['warmup']}; "
@@ -411,11 +410,8 @@ def growth(mpirun, repeats, progress=print):
     for i in range(repeats):
         progress(f"elastic: growing back {i + 1}/{repeats}, 3 -> 2 -> 3")
         row = {"load_before": load_average()}
-        code, out, error = _run(
-            _mpirun(mpirun, 3, ulfm=True)
-            + ["-x", "PYTHONUNBUFFERED=1", sys.executable, EXAMPLE]
-            + GROWTH_ARGS
-        )
+        mpirun_line = [*_mpirun(mpirun, 3, ulfm=True), "-x", "PYTHONUNBUFFERED=1"]
+        code, out, error = _run([*mpirun_line, sys.executable, EXAMPLE, *GROWTH_ARGS])
         objects = json_objects(out or "")
         killed = [o["killed_at"] for o in objects if "killed_at" in o]
         grown = [o["replacements"] for o in objects if "replacements" in o]

@@ -237,7 +237,7 @@ def markdown(part):
     """The part as markdown lines (for latest.md / links.md)."""
     lines = ["### Overlap on an emulated slow link (`python -m benchmarks --links`)", ""]
     if "skipped" in part:
-        return lines + [f"Skipped: {part['skipped']}", ""]
+        return [*lines, f"Skipped: {part['skipped']}", ""]
     lines += [
         f"2 ranks on 2 network-namespace hosts, `tc tbf` {part['rate_mbit']} Mbit/s "
         f"each way; model `{part['model']}`, batch {part['batch_per_rank']} per rank, "
@@ -260,7 +260,7 @@ def markdown(part):
             f"| {'met' if s['target_met'] else 'not met'} "
             f"| {s['load_before']} -> {s['load_after']} |"
         )
-    return lines + [""]
+    return [*lines, ""]
 
 
 def main():

@@ -149,11 +149,11 @@ def batch(name, size, seed=0):
     model_input = build_input_shape(name)
     rng = np.random.default_rng(seed)
     if name == "embedding":
-        x = rng.integers(0, EMBEDDING_VOCAB, (size,) + model_input, dtype=np.int32)
+        x = rng.integers(0, EMBEDDING_VOCAB, (size, *model_input), dtype=np.int32)
     elif name == "widedeep":
-        x = rng.integers(0, WIDEDEEP_BUCKETS, (size,) + model_input, dtype=np.int32)
+        x = rng.integers(0, WIDEDEEP_BUCKETS, (size, *model_input), dtype=np.int32)
     else:
-        x = rng.random((size,) + model_input, np.float32)
+        x = rng.random((size, *model_input), np.float32)
     y = rng.integers(0, CLASSES[name], size)
     return tf.constant(x), tf.constant(y)
 

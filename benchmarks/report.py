@@ -368,7 +368,7 @@ def plot_all(result, img_dir):
     # Training step: ms/step and peak-RSS ratio per model and variant.
     variants = list(VARIANT_NAMES)
     fig, axes = plt.subplots(2, len(MODEL_NAMES), figsize=(16, 6.5))
-    for j, (model, title) in enumerate(MODEL_NAMES.items()):
+    for j, model in enumerate(MODEL_NAMES):
         rows = [_variant(result, model, v) for v in variants]
         ms = [row.get("ms_per_step") or 0 if row else 0 for row in rows]
         bars = axes[0][j].bar(range(len(variants)), ms, color=[f"C{i}" for i in range(5)])

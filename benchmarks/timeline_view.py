@@ -9,6 +9,7 @@ model's compute and TensorFlow's own per-step work); ``plot`` draws a few
 steps, one row per rank.
 """
 
+import itertools
 import os
 import sys
 
@@ -47,7 +48,7 @@ def summary(events):
         if len(starts) < 3:
             continue
         steps = []
-        for begin, end in zip(starts, starts[1:]):
+        for begin, end in itertools.pairwise(starts):
             inside = [s for s in spans if begin <= s[0] < end]
             wait, transfer = sum(s[2] for s in inside), sum(s[3] for s in inside)
             steps.append((end - begin, wait, transfer, end - begin - wait - transfer, len(inside)))

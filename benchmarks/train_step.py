@@ -27,8 +27,8 @@ import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
 # The same threads in every process of every variant.
 tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -51,8 +51,9 @@ def peak_rss_mb():
 def make_strategy(mode):
     """(strategy, rank, number of processes) for ``mode``."""
     if mode == "mpi":
-        import mpi_strategy
         from mpi4py import MPI
+
+        import mpi_strategy
 
         strategy = mpi_strategy.MPIStrategy()
         return strategy, MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
@@ -161,7 +162,7 @@ def main():
     rank, processes = 0, 1
     try:
         strategy, rank, processes = make_strategy(args.mode)
-    except Exception as e:  # e.g. MWMS cannot start its server: record, do not drop
+    except Exception as e:  # noqa: BLE001 - e.g. MWMS cannot start its server: record, do not drop
         print(json.dumps({"mode": args.mode, "rank": -1, "error": _describe(e)}), flush=True)
         sys.exit(0)
     for name in args.models.split(","):

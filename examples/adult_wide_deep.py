@@ -259,7 +259,7 @@ def wide_and_deep():
         keras.layers.Embedding(buckets, DEEP_EMBEDDING, name=f"deep_{name}")(ids)
         for name, (ids, buckets) in categorical.items()
     ]
-    deep = keras.layers.Concatenate()([numeric] + deep)
+    deep = keras.layers.Concatenate()([numeric, *deep])
     deep = keras.layers.Dense(64, activation="relu")(deep)
     deep = keras.layers.Dense(32, activation="relu")(deep)
     deep = keras.layers.Dense(1)(deep)

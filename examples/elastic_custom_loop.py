@@ -11,8 +11,9 @@ number of ranks; with ``--per-replica-batch N`` it takes N per replica (fewer
 examples per step once ranks are lost). ``--kill R@K`` (repeatable) makes rank
 R of the launch kill itself with SIGKILL in the middle of step K (after the
 update, before the loss is reduced: the survivors must roll back to undo it;
-K = --steps: as the program exits), to try it. With fewer than ``--min-ranks`` survivors the job ends with the last
-commit saved in ``--state-dir``; launched again, it resumes from there. With
+K = --steps: as the program exits), to try it. With fewer than ``--min-ranks``
+survivors the job ends with the last commit saved in ``--state-dir``; launched
+again, it resumes from there. With
 ``--replace-lost``, new processes are started for lost ranks and join at a
 commit: the job ends on as many ranks as it started with.
 """

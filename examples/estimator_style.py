@@ -1,7 +1,8 @@
 """The tf.estimator lifecycle, without tf.estimator: for users migrating from Estimator.
 
     mpiexec -n 2 python examples/estimator_style.py --model-dir /tmp/run --train-steps 200
-    mpiexec -n 4 python examples/estimator_style.py --model-dir /tmp/run --train-steps 400  # resumes
+    # resumes from the checkpoint in /tmp/run, on 4 ranks:
+    mpiexec -n 4 python examples/estimator_style.py --model-dir /tmp/run --train-steps 400
 
 ``input_fn(input_context)`` builds the input pipeline of one rank, ``model_fn()``
 the model, loss and optimizer; ``train`` runs to ``--train-steps`` global steps

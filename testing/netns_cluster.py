@@ -28,6 +28,7 @@ Needs root and iproute2. Names carry the creating process id, so leftovers of
 a killed run never collide with a new one and are removed by the next run.
 """
 
+import contextlib
 import errno
 import glob
 import os
@@ -129,10 +130,8 @@ def _kill_netns_processes(netns):
         if not pids:
             return
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         time.sleep(0.02)
 
 
@@ -229,7 +228,7 @@ class NetnsCluster:
         for host in self.hosts:
             _kill_netns_processes(host)
             _run("ip", "netns", "del", host, check=False)
-        for link in self.veths + [self.bridge]:
+        for link in [*self.veths, self.bridge]:
             _run("ip", "link", "del", link, check=False)
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)

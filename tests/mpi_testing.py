@@ -50,7 +50,7 @@ def reference_strategy():
 def gather_from_all_ranks(array):
     """Every rank's ``array`` (same shape on all ranks), stacked in rank order."""
     array = np.ascontiguousarray(array)
-    out = np.empty((SIZE,) + array.shape, array.dtype)
+    out = np.empty((SIZE, *array.shape), array.dtype)
     WORLD.Allgather(array, out)
     return out
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_testing import SIZE, WORLD
 from mpi_strategy._src.core.buffers import ALIGN_BYTES, BufferPool, aligned_empty, pack
+from mpi_testing import SIZE, WORLD
 
 BIG = 1 << 15  # float32 elements: 128 KiB, pooled
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_testing import NUM_REPLICAS, RANK, SIZE, WORLD, assert_same_on_all_ranks, local_devices
 from mpi_strategy import MPICrossDeviceOps, MPIStrategy, compression
-from mpi_strategy.errors import MPIStrategyError
 from mpi_strategy._src.distribute.ops import OrderedComm
+from mpi_strategy.errors import MPIStrategyError
+from mpi_testing import NUM_REPLICAS, RANK, SIZE, WORLD, assert_same_on_all_ranks, local_devices
 
 WIRE = {"float16": np.float16, "bfloat16": tf.bfloat16.as_numpy_dtype}
 SHAPES = [(300, 70), (70, 80), (5000,)]  # each over MIN_BYTES (16 KiB) in float32
@@ -128,7 +128,7 @@ def test_bad_compression_is_a_clear_error():
 def test_ranks_must_agree_on_compression():
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
-    with pytest.raises(MPIStrategyError, match="compression .* differs between ranks"):
+    with pytest.raises(MPIStrategyError, match=r"compression .* differs between ranks"):
         MPICrossDeviceOps(compression="float16" if RANK == 0 else None)
 
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_testing import NUM_REPLICAS, RANK, SIZE
 from mpi_strategy import MPICrossDeviceOps
+from mpi_testing import NUM_REPLICAS, RANK, SIZE
 
 
 def _mpi_op_counts(concrete_function):
@@ -64,7 +64,7 @@ def test_sparse_gradients_of_many_tables_are_one_allgather(strategy):
                 for k in range(3)
             ]
             dense = tf.fill([4], tf.cast(r, tf.float32))
-            return tf.distribute.get_replica_context().all_reduce("SUM", grads + [dense])
+            return tf.distribute.get_replica_context().all_reduce("SUM", [*grads, dense])
 
         return strategy.experimental_local_results(strategy.run(fn))[0]
 

@@ -90,7 +90,7 @@ def train(strategy, mode, input_mode):
     if mode == "function":
         step = tf.function(step)
     losses = [float(step(batch)) for batch in distributed_batches(strategy, input_mode)]
-    return np.array(losses), [w for w in model.get_weights()]
+    return np.array(losses), list(model.get_weights())
 
 
 @pytest.mark.parametrize("input_mode", ["dataset", "values_from_function"])

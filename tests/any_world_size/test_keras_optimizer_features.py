@@ -7,8 +7,9 @@ tf.distribute strategy). With one device per rank, MPIStrategy synchronizes
 there without merge_call, and ``fit`` on N ranks gives the per-epoch losses,
 final weights (the EMA weights with ``use_ema``) and step count of ONE process
 without a strategy at the same global batch (within 1e-4; 1e-3 with float16
-layers), identical on every rank. With several devices per rank these features raise MPIStrategyError
-("one device per rank") on every rank; plain ``use_ema`` works there too.
+layers), identical on every rank. With several devices per rank these features
+raise MPIStrategyError ("one device per rank") on every rank; plain ``use_ema``
+works there too.
 """
 
 import keras

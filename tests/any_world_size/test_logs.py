@@ -3,11 +3,9 @@
 import io
 import logging
 
-from mpi_testing import RANK, SIZE, local_devices, mpi_strategy_under_test
-
 import mpi_strategy
-
 from mpi_strategy._src.core.logs import logger
+from mpi_testing import RANK, SIZE, local_devices, mpi_strategy_under_test
 
 
 def test_rank_0_logs_info_and_the_other_ranks_only_errors():

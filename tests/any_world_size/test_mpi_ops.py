@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_testing import RANK, SIZE, WORLD, assert_same_on_all_ranks
 from mpi_strategy._src.core import rendezvous
-from mpi_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError
 from mpi_strategy._src.distribute.ops import OrderedComm
+from mpi_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError
+from mpi_testing import RANK, SIZE, WORLD, assert_same_on_all_ranks
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,7 @@ class CountingComm:
 
 def test_collectives_run_on_their_own_duplicate_freed_with_the_ordered_comm():
     import gc
+
     from mpi4py import MPI
 
     ordered, other = OrderedComm(WORLD), OrderedComm(WORLD)
@@ -153,7 +154,7 @@ def test_results_are_not_overwritten_by_the_next_call(mpi):
 
     @tf.function
     def summed(x):
-        return mpi.allreduce_sum_packed([x, 2 * x]) + [mpi.allreduce_sum(3 * x)]
+        return [*mpi.allreduce_sum_packed([x, 2 * x]), mpi.allreduce_sum(3 * x)]
 
     held = [summed(tf.fill([n], float(step))) for step in range(4)]
     for step, outs in enumerate(held):

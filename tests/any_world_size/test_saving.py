@@ -19,9 +19,8 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from mpi_testing import NUM_REPLICAS, RANK, SIZE, WORLD, assert_same_on_all_ranks
-
 import mpi_strategy
+from mpi_testing import NUM_REPLICAS, RANK, SIZE, WORLD, assert_same_on_all_ranks
 
 FEATURES, UNITS = 256, 1024  # >= 1 MB per artifact: a non-writer's copy would stand out
 FIRST_CALL_BYTES = 64 << 10  # what a first call may write anywhere (autograph's sources)
@@ -366,6 +365,5 @@ def test_a_failed_write_raises_on_every_rank(models, shared_dir):
 
 def test_only_chief_writes_is_deprecated_and_yields_the_path(shared_dir):
     target = os.path.join(shared_dir, "file.txt")
-    with pytest.warns(DeprecationWarning):
-        with mpi_strategy.only_chief_writes(target) as where:
-            assert where == target
+    with pytest.warns(DeprecationWarning), mpi_strategy.only_chief_writes(target) as where:
+        assert where == target

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_testing import RANK, SIZE, WORLD
-
 from mpi_strategy._src.core.rendezvous import Rendezvous
 from mpi_strategy._src.features.saving import write_point
+from mpi_testing import RANK, SIZE, WORLD
 
 SAVES = {
     "Checkpoint.save": lambda v, path: tf.train.Checkpoint(v=v).save(path),

@@ -322,7 +322,7 @@ def test_variables_start_from_rank0_values(strategy):
         layer.build((None, 3))
         opt = tf.keras.optimizers.Adam()
         opt.build(layer.trainable_variables)
-    for var in [v] + layer.weights + list(opt.variables):
+    for var in [v, *layer.weights, *opt.variables]:
         for local in strategy.experimental_local_results(var):
             assert_same_on_all_ranks(local.numpy(), var.name)
     assert_same_on_all_ranks(layer.kernel.numpy(), "kernel")

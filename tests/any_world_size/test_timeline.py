@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_testing import RANK, SIZE, WORLD
 from mpi_strategy import timeline
 from mpi_strategy._src.core import timeline as timeline_lib
 from mpi_strategy._src.core.collectives import Collectives
 from mpi_strategy._src.distribute.ops import OrderedComm
+from mpi_testing import RANK, SIZE, WORLD
 
 
 def _collectives(mpi):

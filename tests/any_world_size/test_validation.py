@@ -6,9 +6,9 @@ Misuse that needs a program of its own: tests/launchers/test_validation_launched
 import pytest
 from mpi4py import MPI
 
-from mpi_testing import RANK, SIZE, WORLD
-from mpi_strategy.errors import MPIStrategyError
 from mpi_strategy._src.core.validation import check_same_on_all_ranks, resolve_comm
+from mpi_strategy.errors import MPIStrategyError
+from mpi_testing import RANK, SIZE, WORLD
 
 
 def test_resolve_comm_defaults_to_world_and_rejects_others():

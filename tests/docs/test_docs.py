@@ -59,11 +59,14 @@ from testing.launch import is_open_mpi, run_mpiexec
 
 pytestmark = pytest.mark.single_process  # launches processes; MPI-independent otherwise
 
-PAGES = ["README.md"] + sorted(
-    os.path.join("docs", name)
-    for name in os.listdir(os.path.join(REPO, "docs"))
-    if name.endswith(".md")
-)
+PAGES = [
+    "README.md",
+    *sorted(
+        os.path.join("docs", name)
+        for name in os.listdir(os.path.join(REPO, "docs"))
+        if name.endswith(".md")
+    ),
+]
 PYTHON_LANGS = {"python", "py"}
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 # Scratch directories of shell blocks see these repository directories.
@@ -293,10 +296,10 @@ def test_python_blocks_run_in_one_process(tmp_path):
     )
     try:
         out, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as timeout:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError("TIMEOUT running the python blocks: " + _explain(out))
+        raise AssertionError("TIMEOUT running the python blocks: " + _explain(out)) from timeout
     assert proc.returncode == 0, _explain(out)
 
 
@@ -391,7 +394,7 @@ def _localhost_hostfile(text):
     for line in text.splitlines():
         entry = line.split("#")[0].strip()
         if entry:
-            host, _, count = entry.partition(":")
+            _host, _, count = entry.partition(":")
             out.append("localhost" + (f":{count}" if count else ""))
     return "\n".join(out) + "\n"
 
@@ -413,7 +416,7 @@ def test_launcher_blocks_dry_run(tmp_path):
                     f"{b.where}: check: launcher lines must be `mpiexec ... python ...`: {cmd}"
                 )
                 continue
-            argv = argv[: argv.index("python")] + ["true"]
+            argv = [*argv[: argv.index("python")], "true"]
             for flag in ("-f", "-hostfile", "--hostfile", "-machinefile"):
                 if flag in argv:
                     name = argv[argv.index(flag) + 1]

@@ -4,6 +4,7 @@ The figures themselves come from ``python -m benchmarks`` (docs/benchmarks.md);
 this only checks that the machinery measures and projects sanely.
 """
 
+import itertools
 import math
 import os
 
@@ -42,7 +43,7 @@ def test_cost_model_fits_and_projects_sanely():
                 key=lambda r: r["cores"],
             )
             assert mine[0]["cores"] == 1 and math.isclose(mine[0]["speedup"], 1.0)
-            for a, b in zip(mine, mine[1:]):
+            for a, b in itertools.pairwise(mine):
                 assert b["step_ms"] >= a["step_ms"]  # more ranks never communicate less
                 assert b["speedup"] <= b["cores"] + 1e-9
                 if name == "small":  # compute-bound: more cores, more throughput
@@ -97,7 +98,7 @@ def test_overlap_hides_at_most_the_backward_pass_and_each_step_is_labelled_by_it
         "large": {"params": 50_000_000, "compute_s": 0.05},
     }
     rows = cost_model.project(workloads, link)
-    bounds = cost_model.bounds_between(rows, "large", list(cost_model.NETWORKS)[0], 16, 64)
+    bounds = cost_model.bounds_between(rows, "large", next(iter(cost_model.NETWORKS)), 16, 64)
     assert set(bounds) == {16, 20, 32, 40, 64} and set(bounds.values()) == {"bandwidth-bound"}
     for r in rows:
         assert r["overlapped_step_ms"] <= r["step_ms"] + 1e3 * (

@@ -18,7 +18,7 @@ def test_digits_cnn_accuracy_at_every_world_size():
     for ranks in (1, 2, 3):
         code, out = run_mpiexec(ranks, [sys.executable, EXAMPLE], silence=240)
         assert code == 0, out[-5000:]
-        line = next(l for l in out.splitlines() if '"test_accuracy"' in l)
+        line = next(s for s in out.splitlines() if '"test_accuracy"' in s)
         result = json.JSONDecoder().raw_decode(line[line.index("{") :])[0]
         assert result["ranks"] == ranks
         accuracies[ranks] = result["test_accuracy"]

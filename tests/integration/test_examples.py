@@ -46,7 +46,7 @@ def run_example(script, args):
 )
 def test_example_runs_on_two_ranks(script, args, expected, tmp_path):
     if script == "keras_fit.py":
-        args = args + ["--output", str(tmp_path)]
+        args = [*args, "--output", str(tmp_path)]
     out = run_example(script, args)
     results = [line for line in out.splitlines() if expected in line]
     assert len(results) == 1, out[-5000:]  # printed by rank 0 only
@@ -164,13 +164,18 @@ def test_higgs_reads_csv(tmp_path):
     assert x.shape == (256, 28) and set(y) == {0.0, 1.0}
 
 
-ADULT = """\
-39, State-gov, 77516, Bachelors, 13, Never-married, Adm-clerical, Not-in-family, White, Male, 2174, 0, 40, United-States, <=50K
-52, Self-emp-inc, 287927, HS-grad, 9, Married-civ-spouse, Exec-managerial, Wife, White, Female, 15024, 0, 40, United-States, >50K
-54, ?, 180211, Some-college, 10, Married-civ-spouse, ?, Husband, Asian-Pac-Islander, Male, 0, 0, 60, South, >50K
-38, Private, 215646, HS-grad, 9, Divorced, Handlers-cleaners, Not-in-family, White, Male, 0, 0, 40, ?, <=50K
-
-"""
+# Four records of adult.data, each on two lines here; the file ends with an empty line.
+ADULT = (
+    "39, State-gov, 77516, Bachelors, 13, Never-married, Adm-clerical, Not-in-family, White, "
+    "Male, 2174, 0, 40, United-States, <=50K\n"
+    "52, Self-emp-inc, 287927, HS-grad, 9, Married-civ-spouse, Exec-managerial, Wife, White, "
+    "Female, 15024, 0, 40, United-States, >50K\n"
+    "54, ?, 180211, Some-college, 10, Married-civ-spouse, ?, Husband, Asian-Pac-Islander, "
+    "Male, 0, 0, 60, South, >50K\n"
+    "38, Private, 215646, HS-grad, 9, Divorced, Handlers-cleaners, Not-in-family, White, "
+    "Male, 0, 0, 40, ?, <=50K\n"
+    "\n"
+)
 
 
 @pytest.mark.single_process

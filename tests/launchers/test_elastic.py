@@ -32,7 +32,8 @@ def _launch(n, kills=(), example=EXAMPLE, args=STEPS, ok=True, kill_at_random=No
     output). ``ok``: expects exit status 0 (else non-zero). ``kill_at_random``:
     a ``RandomKills`` that SIGKILLs ranks from outside."""
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
-    cmd = open_mpi_command(ULFM_MPIRUN, n, ulfm=True) + [
+    cmd = [
+        *open_mpi_command(ULFM_MPIRUN, n, ulfm=True),
         "-x",
         "TF_CPP_MIN_LOG_LEVEL=3",
         "-x",
@@ -186,16 +187,16 @@ def test_too_few_ranks_end_the_job_with_the_last_commit_saved_and_a_relaunch_res
     # Per replica batch kept (32): 96 examples a step on 3 ranks, 64 on 2. The
     # chief (rank 0) is the one lost: rank 0 of the survivors saves.
     _needs_ulfm()
-    args = STEPS + ("--per-replica-batch", "32")
+    args = (*STEPS, "--per-replica-batch", "32")
     elastic, _ = _launch(3, ["0@15"], args=args)
     assert elastic["ranks_at_end"] == 2 and elastic["examples"] == 10 * 96 + 190 * 64
     state_dir = str(tmp_path / "state")
-    saving = args + ("--min-ranks", "3", "--state-dir", state_dir)
+    saving = (*args, "--min-ranks", "3", "--state-dir", state_dir)
     _, out = _launch(3, ["0@15"], args=saving, ok=False)
     assert "fewer than min_ranks=3: the job ends. Commit #2 (step=10, examples=960" in out, out
     assert os.path.exists(os.path.join(state_dir, "state.index")), out[-3000:]
     # Started again on the survivors' count: the run that lost the rank.
-    resumed, out = _launch(2, args=args + ("--state-dir", state_dir))
+    resumed, out = _launch(2, args=(*args, "--state-dir", state_dir))
     assert "resuming from the state saved in" in out, out[-3000:]
     _assert_same_run(resumed, elastic)
     assert not os.path.exists(state_dir)  # done with: removed
@@ -270,7 +271,7 @@ def test_an_uncaught_error_on_one_rank_leaves_no_rank_waiting(elastic):
 def test_a_replacement_joins_at_a_commit_and_the_world_grows_back(uninterrupted_long):
     # The survivors pause 10 ms a step (a slower model), so that the
     # replacement has started Python and TensorFlow well before step 600.
-    got, out = _launch(3, ["2@15"], args=LONG + ("--pause-ms", "10", "--replace-lost"))
+    got, out = _launch(3, ["2@15"], args=(*LONG, "--pause-ms", "10", "--replace-lost"))
     assert got["ranks_at_end"] == 3, f"the replacement did not join:\n{out[-3000:]}"
     (joined,) = got["replacements"]
     assert (joined["ranks_before"], joined["ranks_after"]) == (2, 3)
@@ -285,7 +286,7 @@ def test_a_replacement_joins_at_a_commit_and_the_world_grows_back(uninterrupted_
 def test_replacements_not_joined_yet_leave_when_the_program_ends(uninterrupted):
     # 200 steps end before the replacement is ready: it is told to leave, and
     # the job ends with status 0 (nobody waits for it).
-    got, out = _launch(3, ["2@15"], args=STEPS + ("--replace-lost",))
+    got, out = _launch(3, ["2@15"], args=(*STEPS, "--replace-lost"))
     _assert_same_run(got, uninterrupted)
     if got["ranks_at_end"] == 2:
         assert (

@@ -14,7 +14,7 @@ def test_diagnostics_report_every_rank_and_a_working_collective():
     assert code == 0, out[-3000:]
     assert "on 2 rank(s)" in out and "RESULT: ok" in out, out[-3000:]
     for rank in (0, 1):
-        line = next(l for l in out.splitlines() if f"rank={rank} " in l)
+        line = next(s for s in out.splitlines() if f"rank={rank} " in s)
         for field in ("host=", "mpi=", "thread_level=multiple", "tensorflow=", "allreduce=ok"):
             assert field in line, line
 
@@ -33,6 +33,6 @@ def test_diagnostics_send_no_pickles_and_name_the_failing_rank():
     assert code != 0, out[-3000:]
     assert "mpi4py pickled" not in out, out[-3000:]
     assert "RESULT: FAILED on ranks [1]" in out, out[-3000:]
-    rank1 = next(l for l in out.splitlines() if "rank=1 " in l)
+    rank1 = next(s for s in out.splitlines() if "rank=1 " in s)
     assert "host=h\u00f4st-\u2603  " in rank1 and "allreduce=WRONG (3.0)" in rank1, rank1
-    assert "allreduce=ok" in next(l for l in out.splitlines() if "rank=0 " in l)
+    assert "allreduce=ok" in next(s for s in out.splitlines() if "rank=0 " in s)

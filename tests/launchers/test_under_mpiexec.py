@@ -7,6 +7,7 @@ for SILENCE seconds is stuck (every test there takes far less), however
 long the whole run takes on a loaded machine.
 """
 
+import itertools
 import os
 import time
 
@@ -37,7 +38,7 @@ def test_suite_under_mpiexec(ranks, local_devices, tmp_path):
         each_line=lambda line: arrivals.append(time.monotonic()),
     )
     print(out)
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     print(
         f"longest gap between two lines of output: {max(gaps, default=0):.1f} s "
         f"(a launch is killed after {SILENCE:g} s without any output)"

@@ -6,7 +6,10 @@ wrong sum). Shows that the diagnostics send no pickles, survive the host name
 and name rank 1 as the failing rank.
 """
 
-import runpy, socket, sys
+import runpy
+import socket
+import sys
+
 from mpi4py import MPI
 
 

@@ -44,7 +44,7 @@ def _run_payload(payload_path):
             except SystemExit as exc:
                 if exc.code not in (None, 0):
                     error = f"SystemExit({exc.code!r})"
-            except BaseException:  # report anything, on every rank, then stop together
+            except BaseException:  # noqa: BLE001 - report anything, on every rank, then stop together
                 error = traceback.format_exc()
             if error is not None:
                 print(
@@ -67,7 +67,7 @@ def _register_source(page):
 
     lines = []
     for block in page["blocks"]:
-        for code, line in list(block["setups"]) + [(block["code"], block["line"])]:
+        for code, line in [*block["setups"], (block["code"], block["line"])]:
             chunk = code.splitlines(keepends=True)
             lines.extend(["\n"] * (line - 1 + len(chunk) - len(lines)))
             lines[line - 1 : line - 1 + len(chunk)] = chunk

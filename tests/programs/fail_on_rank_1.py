@@ -8,9 +8,12 @@ collective. Shows that the job then ends promptly, with rank 1's traceback
 (FIRST_STEP_DONE_AT times the start; ALL_STEPS_DONE must never be printed).
 """
 
-import sys, time
+import sys
+import time
+
 import numpy as np
 import tensorflow as tf
+
 import mpi_strategy
 
 CASE, BAD_STEP = sys.argv[1], 3

@@ -6,7 +6,8 @@ printing each number, until it is killed. The test SIGKILLs it in the middle
 of a write and shows that the latest checkpoint left behind still restores.
 """
 
-import sys, time
+import sys
+
 import numpy as np
 import tensorflow as tf
 

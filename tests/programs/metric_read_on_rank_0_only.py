@@ -6,9 +6,12 @@ Shows that rank 0 fails after T seconds, naming the collective and the ranks
 that never came, and that the job ends.
 """
 
-import sys, time
-import tensorflow as tf
+import sys
+import time
+
 import keras
+import tensorflow as tf
+
 import mpi_strategy
 
 timeout = float(sys.argv[1])

@@ -8,15 +8,19 @@ lands once per filesystem: once on a shared one, once per host on node-local
 ones.
 """
 
-import argparse, json, os, socket
+import argparse
+import json
+import os
+import socket
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
-from mpi4py import MPI
 import tensorflow as tf
+from mpi4py import MPI
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
 import keras
+
 import mpi_strategy
 
 parser = argparse.ArgumentParser()
@@ -99,7 +103,7 @@ for place, directory in (d.split("=", 1) for d in args.dirs):
             entry["loaded"] = len(weights) == len(expected) and all(
                 np.array_equal(a, b) for a, b in zip(weights, expected)
             )
-        except Exception as e:  # reported; the test fails on it
+        except Exception as e:  # noqa: BLE001 - reported; the test fails on it
             entry["error"] = f"{type(e).__name__}: {e}"[:500]
         report["saves"][f"{place} {name}"] = entry
 with open(os.path.join(args.out, f"report{rank}.json"), "w") as f:

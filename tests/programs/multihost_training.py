@@ -11,12 +11,18 @@ single host, that step times follow the alpha-beta model, and that a dead
 host ends the job.
 """
 
-import argparse, json, os, socket, subprocess, sys, time
+import argparse
+import json
+import os
+import socket
+import subprocess
+import time
+from typing import ClassVar
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
-from mpi4py import MPI
 import tensorflow as tf
+from mpi4py import MPI
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
 import mpi_strategy
@@ -41,7 +47,7 @@ class CountingComm(MPI.Intracomm):
     """COMM_WORLD that logs each collective the strategy issues, with the bytes
     this rank contributes (blocking and nonblocking forms alike)."""
 
-    log = []
+    log: ClassVar[list] = []  # one for the class: read as CountingComm.log
 
     def _log(self, name, sendbuf, recvbuf=None):
         self.log.append([name, nbytes(recvbuf if sendbuf is MPI.IN_PLACE else sendbuf)])

@@ -9,11 +9,17 @@ the final weights. Relaunched, a killed run resumes; the test shows that it
 ends with the weights of an uninterrupted run.
 """
 
-import json, os, signal, sys, time
+import json
+import os
+import signal
+import sys
+import time
+
 import numpy as np
 import tensorflow as tf
-import mpi_strategy
 from mpi4py import MPI
+
+import mpi_strategy
 
 tf.config.threading.set_intra_op_parallelism_threads(1)  # bitwise-reproducible runs
 STEPS, CKPT_EVERY, EPOCHS, BATCHES_PER_EPOCH = (int(a) for a in sys.argv[2:6])

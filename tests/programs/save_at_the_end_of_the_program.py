@@ -7,11 +7,13 @@ metric (which needs the other ranks) fails with an error naming the end of
 the program instead of hanging.
 """
 
-import os, sys
-import numpy as np
+import os
+import sys
+
 import tensorflow as tf
-import mpi_strategy
 from mpi4py import MPI
+
+import mpi_strategy
 
 strategy = mpi_strategy.MPIStrategy()
 with strategy.scope():

@@ -8,7 +8,11 @@ permission bits of every checkpoint and export written under umask 022 and
 no socket is opened, nothing is unpickled, and the files follow the umask.
 """
 
-import json, os, pickle, sys
+import json
+import os
+import pickle
+import sys
+
 from mpi4py import MPI  # initialises MPI
 
 OUT = sys.argv[1]
@@ -43,9 +47,10 @@ def listening_sockets():
 
 after_init = listening_sockets()
 
+import keras
 import numpy as np
 import tensorflow as tf
-import keras
+
 import mpi_strategy
 
 strategy = mpi_strategy.MPIStrategy()
@@ -122,12 +127,13 @@ for umask in (0o022, 0o077):
     model.export(os.path.join(base, "export"), verbose=False)
     module = tf.Module()
     module.v = tf.Variable([1.0, 2.0])
-    module.f = tf.function(lambda t: t * module.v, input_signature=[tf.TensorSpec([2])])
+    # Traced (by the save below) while `module` is this iteration's.
+    module.f = tf.function(lambda t: t * module.v, input_signature=[tf.TensorSpec([2])])  # noqa: B023
     tf.saved_model.save(module, os.path.join(base, "saved_model"))
     os.umask(previous)
     if rank == 0:
         for directory, dirnames, filenames in os.walk(base):
-            for name in [""] + dirnames + filenames:
+            for name in ["", *dirnames, *filenames]:
                 path = os.path.join(directory, name)
                 modes[os.path.relpath(path, OUT)] = os.stat(path).st_mode & 0o7777
 

@@ -6,7 +6,9 @@ accuracy of each as one JSON line. Shows that the exports serve without MPI
 or mpi_strategy (it asserts that neither was imported).
 """
 
-import json, sys
+import json
+import sys
+
 import numpy as np
 import tensorflow as tf
 

@@ -11,6 +11,7 @@ tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
 )
 from mpi4py import MPI
+
 import mpi_strategy
 
 r = MPI.COMM_WORLD.rank

@@ -46,8 +46,8 @@ if STRATEGY not in ("mpi", "mirrored"):
     raise ValueError(f"TUTORIAL_STRATEGY must be 'mpi' or 'mirrored', not {STRATEGY!r}")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
 MIRRORED_DEVICES = ["/cpu:0", "/cpu:1"]
 SEED = 20240611
@@ -175,7 +175,7 @@ class _KerasDataset:
 datasets = types.SimpleNamespace(mnist=_KerasDataset(0), fashion_mnist=_KerasDataset(1))
 
 
-class tfds:  # noqa: N801 - stands in for the module tensorflow_datasets
+class tfds:  # (lower case) stands in for the module tensorflow_datasets
     """``tfds.load(name='mnist', as_supervised=True[, with_info=True])``: a dict
     of ``tf.data.Dataset`` of (uint8 image (28, 28, 1), int64 label), as
     TensorFlow Datasets gives, and an ``info`` with ``splits[...].num_examples``."""

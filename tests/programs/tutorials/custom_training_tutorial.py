@@ -26,10 +26,10 @@ from _tutorial import begin, checksum, datasets, epochs, make_strategy, report, 
 
 begin(keras="tf_keras")  # Metric.reset_states (see _tutorial.py)
 
-import tensorflow as tf
+import os
 
 import numpy as np
-import os
+import tensorflow as tf
 
 print(tf.__version__)
 
@@ -44,7 +44,7 @@ test_images = test_images / np.float32(255)
 
 # -- The strategy
 strategy = make_strategy()
-print("Number of devices: {}".format(strategy.num_replicas_in_sync))
+print(f"Number of devices: {strategy.num_replicas_in_sync}")
 
 # -- The input pipeline
 BUFFER_SIZE = len(train_images)

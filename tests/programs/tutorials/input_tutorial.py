@@ -26,10 +26,8 @@ from _tutorial import all_workers, begin, make_strategy, report
 
 begin(keras="keras3")  # either Keras runs it; the default one
 
-import tensorflow as tf
-
 import numpy as np
-import os
+import tensorflow as tf
 
 print(tf.__version__)
 
@@ -137,9 +135,9 @@ for x in dist_dataset:
 num_epochs = 10
 steps_per_epoch = 5
 numbers["next_losses"] = []
-for epoch in range(num_epochs):
+for _epoch in range(num_epochs):
     dist_iterator = iter(dist_dataset)
-    for step in range(steps_per_epoch):
+    for _step in range(steps_per_epoch):
         loss = mirrored_strategy.run(train_step, args=(next(dist_iterator),))
         print("Loss is ", loss)
         numbers["next_losses"].append(everyone(mirrored_strategy, loss))

@@ -19,9 +19,9 @@ from _tutorial import begin, checksum, epochs, history, make_strategy, report, t
 
 begin(keras="keras3")  # its .weights.h5 checkpoints need Keras 3 (see _tutorial.py)
 
-import tensorflow as tf
-
 import os
+
+import tensorflow as tf
 
 print(tf.__version__)
 
@@ -31,7 +31,7 @@ mnist_train, mnist_test = datasets["train"], datasets["test"]
 
 # -- The strategy
 strategy = make_strategy()
-print("Number of devices: {}".format(strategy.num_replicas_in_sync))
+print(f"Number of devices: {strategy.num_replicas_in_sync}")
 
 # -- The input pipeline: a global batch of 64 examples per replica
 num_train_examples = info.splits["train"].num_examples

@@ -31,11 +31,11 @@ begin(keras="tf_keras")  # Metric.reset_states (see _tutorial.py)
 
 import json
 import os
+from multiprocessing import util
 
 import tensorflow as tf
 
 import mnist
-from multiprocessing import util
 
 per_worker_batch_size = 64
 tf_config = json.loads(TF_CONFIG)  # os.environ['TF_CONFIG']

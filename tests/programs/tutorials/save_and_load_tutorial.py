@@ -28,7 +28,6 @@ from _tutorial import all_workers, begin, checksum, history, make_strategy, repo
 begin(keras="tf_keras")  # Model.save to a SavedModel directory, save_spec (see _tutorial.py)
 
 import numpy as np
-
 import tensorflow as tf
 
 numbers = {}  # (report)
@@ -160,7 +159,7 @@ class SubclassedModel(tf.keras.Model):
     output_name = "output_layer"
 
     def __init__(self):
-        super(SubclassedModel, self).__init__()
+        super().__init__()
         self._dense_layer = tf.keras.layers.Dense(5, dtype=tf.dtypes.float32, name=self.output_name)
 
     def call(self, inputs):
