@@ -18,7 +18,9 @@ from mpi_strategy._src import effects as _effects
 from mpi_strategy._src.distribute.cluster_resolver import MPIClusterResolver
 from mpi_strategy._src.distribute.cross_device_ops import MPICrossDeviceOps
 from mpi_strategy._src.distribute.strategy import MPIStrategy
-from mpi_strategy._src.features.saving.calls import only_chief_writes  # (deprecated)
+from mpi_strategy._src.features.saving.calls import (
+    only_chief_writes as only_chief_writes,  # deprecated: importable, not in __all__
+)
 from mpi_strategy.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -47,5 +49,4 @@ __all__ = [
     "elastic",
     "errors",
     "timeline",
-    "only_chief_writes",
 ]
