@@ -18,10 +18,10 @@
 
     train()
 
-What happens when a rank dies, and with ``replace_lost=True``: see
-``mpi_strategy._src.features.elastic.run`` and docs/elastic.md. ``recoveries``
-and ``replacements`` record, per process, when each recovery and each join of
-replacements happened and how long its parts took.
+What happens when a rank dies, and with ``replace_lost=True``: see ``run``
+and docs/elastic.md. ``recoveries`` and ``replacements`` record, per process,
+when each recovery and each join of replacements happened and how long its
+parts took.
 """
 
 from mpi_strategy._src.core.errors import RanksLostError, TooFewRanksError

@@ -1,22 +1,4 @@
-"""Elastic training: lose ranks and keep training, in place, without a relaunch.
-
-    mpirun --with-ft ulfm -n 4 python train.py      # Open MPI 5 with ULFM
-
-    strategy = MPIStrategy()
-    with strategy.scope():
-        model, optimizer = ...
-    state = mpi_strategy.elastic.State(model, optimizer, step=0)
-
-    @mpi_strategy.elastic.run(strategy, state)
-    def train(state):
-        step_fn = tf.function(...)          # traced again after every recovery
-        while state.step < STEPS:
-            ... one step on the batch of step state.step ...
-            state.step += 1
-            if state.step % 10 == 0:
-                state.commit()              # in memory, the same on every rank
-
-    train()
+"""Elastic training's run loop (the usage example: ``mpi_strategy.elastic``).
 
 When a rank dies (SIGKILL, a node lost), the MPI library (User-Level Failure
 Mitigation) makes the collective that notices it fail; mpi_strategy revokes
@@ -34,7 +16,8 @@ same program, at any world size, resumes from it and removes it once the
 function has returned.
 
 With ``replace_lost=True`` the survivors also start new processes for the
-lost ranks, which join at a later commit (``replacement.py`` and ``regrowth.py`` beside this file).
+lost ranks, which join at a later commit (``regrowth.py``: the survivors'
+side, ``replacement.py``: the replacements').
 
 Without ULFM (MPICH, or Open MPI without ``--with-ft ulfm``) a lost rank ends
 the job, as without elastic mode.
