@@ -126,7 +126,8 @@ for umask in (0o022, 0o077):
     model.save(os.path.join(base, "model.keras"))
     model.export(os.path.join(base, "export"), verbose=False)
     module = tf.Module()
-    module.v = tf.Variable([1.0, 2.0])
+    with strategy.scope():  # the strategy's, so that its save is written once
+        module.v = tf.Variable([1.0, 2.0])
     # Traced (by the save below) while `module` is this iteration's.
     module.f = tf.function(lambda t: t * module.v, input_signature=[tf.TensorSpec([2])])  # noqa: B023
     tf.saved_model.save(module, os.path.join(base, "saved_model"))
