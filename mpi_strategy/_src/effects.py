@@ -49,7 +49,8 @@ EFFECTS = (
     Effect(
         "the TensorFlow calls that write files (`_tf_internal.WRITE_CALLS`)",
         "a save made on every rank writes once per filesystem",
-        "in the scope of a multi-rank MPIStrategy, or for an object built in one",
+        "in the scope of a multi-rank MPIStrategy, for an object built in one, "
+        "or outside any scope for an object no strategy built",
     ),
     Effect(
         "Checkpoint `save`, `write`, `_write` (`_tf_internal.ASYNC_CHECKPOINT_CALLS`)",

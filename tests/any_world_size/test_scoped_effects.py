@@ -1,7 +1,8 @@
 """Process-wide effects act only on this library's work (docs/concepts.md,
 "Process-wide effects"): in a process that holds a multi-rank MPIStrategy, a
-save with no strategy or under MirroredStrategy writes on its own, on every
-rank that makes it, with no MPI call; one of this library's saves still meets.
+save that belongs to another strategy (made in its scope, or of objects it
+built) writes on its own, on every rank that makes it, with no MPI call; one
+of this library's saves still meets.
 """
 
 import contextlib
@@ -54,24 +55,24 @@ def meetings(monkeypatch):
     return met
 
 
-@pytest.mark.parametrize("other", ["no strategy", "MirroredStrategy"])
+def _mirrored():
+    return tf.distribute.MirroredStrategy(["/cpu:0"])
+
+
+@pytest.mark.parametrize("where", ["in its scope", "built in its scope"])
 @pytest.mark.parametrize("api", list(SAVES))
-def test_a_save_that_is_not_ours_writes_alone_on_every_rank(
-    strategy, tmp_path, meetings, other, api
+def test_a_save_of_another_strategy_writes_alone_on_every_rank(
+    strategy, tmp_path, meetings, where, api
 ):
+    """Under MirroredStrategy: saved in its scope, or built there and saved
+    outside any scope."""
     del strategy  # held by this process: a multi-rank MPIStrategy when SIZE > 1
-    if api == "summary writer" and other == "no strategy" and SIZE > 1:
-        pytest.skip(
-            "a writer that names no object, outside any scope, belongs to the "
-            "newest MPIStrategy over all ranks (docs/concepts.md)"
-        )
-    scope = (
-        tf.distribute.MirroredStrategy(["/cpu:0"]).scope()
-        if other != "no strategy"
-        else contextlib.nullcontext()
-    )
-    with scope:
+    if api == "summary writer" and where != "in its scope":
+        pytest.skip("a summary writer names no object: only a scope tells whose it is")
+    mirrored = _mirrored()
+    with mirrored.scope():
         variable = tf.Variable(tf.fill([1000], float(RANK)))
+    with mirrored.scope() if where == "in its scope" else contextlib.nullcontext():
         SAVES[api](variable, str(tmp_path / "saved"))
     assert meetings == []
     written = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files]
@@ -79,9 +80,10 @@ def test_a_save_that_is_not_ours_writes_alone_on_every_rank(
     assert sum(os.path.getsize(f) for f in written) > least, written  # here, not in memory
 
 
-def test_a_keras_model_of_no_strategy_saves_alone(strategy, tmp_path, meetings):
+def test_a_keras_model_of_another_strategy_saves_alone(strategy, tmp_path, meetings):
     del strategy
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with _mirrored().scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.save(str(tmp_path / "model.keras"))
     model.save_weights(str(tmp_path / "model.weights.h5"))
     assert meetings == [] and sorted(os.listdir(tmp_path)) == ["model.keras", "model.weights.h5"]
@@ -89,14 +91,17 @@ def test_a_keras_model_of_no_strategy_saves_alone(strategy, tmp_path, meetings):
 
 def test_rank0_saving_alone_while_the_others_wait_for_its_own_message(strategy, tmp_path, meetings):
     """The program's own MPI calls around a save that is not this library's
-    work: rank 0 saves, then tells the others (a hidden collective in the save
-    would leave rank 0 waiting for them, and them for its message)."""
+    work: rank 0 saves a MirroredStrategy model, then tells the others (a
+    hidden collective in the save would leave rank 0 waiting for them, and
+    them for its message)."""
     del strategy
     if SIZE == 1:
         pytest.skip("needs other ranks")
     message = np.zeros(1, np.int64)
     if RANK == 0:
-        tf.train.Checkpoint(v=tf.Variable(tf.ones([1000]))).save(str(tmp_path / "ckpt"))
+        with _mirrored().scope():
+            variable = tf.Variable(tf.ones([1000]))
+        tf.train.Checkpoint(v=variable).save(str(tmp_path / "ckpt"))
         requests = [WORLD.Isend(np.ones(1, np.int64), dest=r, tag=41) for r in range(1, SIZE)]
         for request in requests:
             request.Wait()
@@ -107,6 +112,19 @@ def test_rank0_saving_alone_while_the_others_wait_for_its_own_message(strategy, 
         assert time.monotonic() < deadline, "rank 0 never finished its save"
         time.sleep(0.01)
     assert message[0] == 1
+
+
+def test_an_object_no_strategy_built_is_saved_once_for_all_ranks(strategy, shared_dir):
+    """As the one-process program (and TensorFlow's save_and_load tutorial, a
+    subclassed model built outside any scope, saved by every rank to one
+    path) expects: outside any scope it belongs to the world's MPIStrategy."""
+    expected = strategy.extended.ordered_comm if SIZE > 1 else None
+    module = tf.Module()
+    module.v = tf.Variable(tf.ones([1000]))
+    assert write_point.ordered_comm_for(module) is expected
+    path = os.path.join(shared_dir, "plain")
+    tf.saved_model.save(module, path)
+    assert float(tf.saved_model.load(path).v[0]) == 1.0
 
 
 def test_this_librarys_save_outside_its_scope_still_meets(strategy, shared_dir):

@@ -4,9 +4,9 @@ A one-process program saves with, e.g., ``checkpoint.save(prefix)``; run
 unchanged on N ranks, every rank makes that call. Each call of a TensorFlow or
 Keras function that writes files (listed in ``_tf_internal.WRITE_CALLS`` and
 ``_keras_internal.SITES``; wrapped by ``calls.py``) is a *write point* when it
-is this library's work: it runs in the scope of a multi-rank MPIStrategy, or
-writes an object (a model, a checkpoint, a module) whose variables one holds
-(``strategy_for``). Then:
+belongs to a multi-rank MPIStrategy (``strategy_for``): it runs in its scope,
+or writes an object (a model, a checkpoint, a module) whose variables it
+built, or, outside any scope, an object that no strategy built. Then:
 
 1. The ranks meet (``WRITE``, tagged with the function and path).
    If only some ranks made the call (``if rank == 0: model.save(...)``), they
@@ -22,8 +22,8 @@ writes an object (a model, a checkpoint, a module) whose variables one holds
    returns on every rank once every copy is complete, and if any rank failed,
    every rank raises.
 
-Any other save (no strategy, another strategy, one rank) runs as it would
-without mpi_strategy, with no MPI call.
+A save that belongs to another strategy (made in its scope, or of objects it
+built) runs as it would without mpi_strategy, with no MPI call.
 """
 
 from __future__ import annotations
@@ -113,35 +113,41 @@ def alone() -> bool:
 
 
 def strategy_for(written: Any = NO_OBJECT) -> tf.distribute.Strategy | None:
-    """The strategy a write belongs to: the one in scope; else the one whose
-    variables ``written`` holds; for a call that names no object, the newest
-    MPIStrategy over all of ``COMM_WORLD``; None if none."""
+    """The strategy a write belongs to: the one in scope; else the strategy
+    that built the variables ``written`` holds; else (an object that no
+    strategy built, or a call that names no object, such as a summary writer)
+    the newest MPIStrategy over all of ``COMM_WORLD``, as the one-process
+    program expects (TensorFlow's own tutorials save such objects from every
+    rank to one path); None if none."""
     if tf.distribute.has_strategy():
         return tf.distribute.get_strategy()
-    if written is NO_OBJECT:
-        return newest_over_the_world()
-    return strategy_of(written)
+    if written is not NO_OBJECT:
+        built_by = strategy_of(written, default=tf.distribute.get_strategy())
+        if built_by is not None:
+            return built_by
+    return newest_over_the_world()
 
 
-def strategy_of(obj: Any) -> tf.distribute.Strategy | None:
-    """The strategy of the variables ``obj`` holds (a Keras model, a
-    checkpoint, a module, a variable), or None: the object itself if it names
-    one, else the first of its trackable descendants that does."""
-    found = _named_strategy(obj)
+def strategy_of(obj: Any, default: tf.distribute.Strategy) -> tf.distribute.Strategy | None:
+    """The strategy that built the variables ``obj`` holds (a Keras model, a
+    checkpoint, a module, a variable), or None: the object's own if it names
+    one, else the first that one of its trackable descendants names; the
+    ``default`` strategy (outside any scope) counts as none."""
+    found = _named_strategy(obj, default)
     if found is not None or not isinstance(obj, tf.__internal__.tracking.Trackable):
         return found
     for child in tf.train.TrackableView(obj).descendants():
-        found = _named_strategy(child)
+        found = _named_strategy(child, default)
         if found is not None:
             return found
     return None
 
 
-def _named_strategy(obj: Any) -> tf.distribute.Strategy | None:
+def _named_strategy(obj: Any, default: tf.distribute.Strategy) -> tf.distribute.Strategy | None:
     # Keras 3 variables hold the (distributed) TensorFlow variable as `.value`.
     for candidate in (obj, getattr(type(obj), "value", None) and getattr(obj, "value", None)):
         strategy = getattr(candidate, "distribute_strategy", None)
-        if isinstance(strategy, tf.distribute.Strategy):
+        if isinstance(strategy, tf.distribute.Strategy) and strategy is not default:
             return strategy
     return None
 
