@@ -1,6 +1,7 @@
 """Benchmarks for mpi_strategy: run ``python -m benchmarks`` (see docs/benchmarks.md)."""
 
 import json
+import subprocess
 
 
 def json_objects(text):
@@ -18,3 +19,18 @@ def json_objects(text):
 def load_average():
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
+
+
+def slowest_rank_ms(argv, cwd, env):
+    """{model: ms per step} of one launch of ``benchmarks.train_step`` (``argv``):
+    per model, the slowest rank's median (a step is as slow as its slowest rank)."""
+    out = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+    rows = [r for r in json_objects(out.stdout) if "ms_per_step" in r]
+    if out.returncode or not rows:
+        raise RuntimeError(
+            f"{argv}: exit {out.returncode}\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+        )
+    times = {}
+    for row in rows:
+        times.setdefault(row["model"], []).append(row["ms_per_step"])
+    return {model: max(ms) for model, ms in times.items()}

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks import json_objects, load_average
+from benchmarks import load_average, slowest_rank_ms
 from testing.launch import mpiexec_command, mpiexec_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,16 +43,7 @@ def _median_ms(tree: str, models: str, steps: int, ranks: int) -> dict[str, floa
         "--warmup",
         str(max(5, steps // 6)),
     ]
-    out = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, check=False)
-    rows = [r for r in json_objects(out.stdout) if "ms_per_step" in r]
-    if out.returncode or not rows:
-        raise RuntimeError(
-            f"{tree}: exit {out.returncode}\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
-        )
-    times: dict[str, list[float]] = {}
-    for row in rows:  # one row per model and rank: a step is as slow as its slowest rank
-        times.setdefault(row["model"], []).append(row["ms_per_step"])
-    return {model: max(ms) for model, ms in times.items()}
+    return slowest_rank_ms(argv, tree, env)
 
 
 def main(argv: list[str] | None = None) -> int:

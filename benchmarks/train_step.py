@@ -6,12 +6,18 @@
     python -m benchmarks.train_step mlp none --batch 128    # one half of the ceiling pair
     python -m benchmarks.train_step lenet3,cnn,higgs none --batch 32   # several, one after another
     mpirun --with-ft ulfm -n 2 python -m benchmarks.train_step mlp mpi --elastic-commit-every 10
+    mpiexec -n K python -m mpi_strategy.horovod -m benchmarks.train_step mlp horovod
+    mpiexec -n K python -m benchmarks.train_step mlp horovod  # with the real Horovod installed
 
 Every process prints one JSON line per model: the median step time of the
 timed steps, its peak RSS (VmHWM) and, for models with sparse gradients, the
 gradient types before and after the strategy's all-reduce. The step is the
 same custom loop for every strategy (tf.keras layers and optimizer, no
 ``fit``: Keras 3's ``fit`` is broken under MultiWorkerMirroredStrategy).
+Mode ``horovod`` is the same step written for Horovod (no strategy; each rank
+its share of the global batch; ``DistributedGradientTape`` averages the
+gradients): with whatever ``horovod`` imports, the real one or
+``mpi_strategy.horovod``.
 With ``--elastic-commit-every N`` the timed loop runs inside
 ``mpi_strategy.elastic.run`` and commits every N steps (0: never in the loop).
 A failure is printed as a JSON line with an ``error`` field, so the driver
@@ -19,6 +25,7 @@ can record it instead of dropping the row.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -64,7 +71,27 @@ def make_strategy(mode):
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         resolver = strategy.cluster_resolver
         return strategy, resolver.task_id, len(resolver.cluster_spec().as_dict()["worker"])
+    if mode == "horovod":
+        import horovod.tensorflow as hvd
+
+        hvd.init()
+        return HorovodReplicas(hvd), hvd.rank(), hvd.size()
     return tf.distribute.get_strategy(), 0, 1  # the default (no) strategy
+
+
+class HorovodReplicas:
+    """What run_model needs of a strategy, for Horovod's way (no strategy):
+    one replica per rank, the step written with DistributedGradientTape."""
+
+    def __init__(self, hvd):
+        self.hvd = hvd
+        self.num_replicas_in_sync = hvd.size()
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+    def run(self, fn):
+        return fn()
 
 
 def run_model(name, strategy, global_batch, steps, warmup, commit_every=None):
@@ -90,6 +117,9 @@ def run_model(name, strategy, global_batch, steps, warmup, commit_every=None):
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
+    if isinstance(strategy, HorovodReplicas):
+        replica_step = horovod_step(strategy.hvd, model, optimizer, loss_fn, x, y)
+
     @tf.function
     def step():
         return strategy.run(replica_step)
@@ -105,7 +135,10 @@ def run_model(name, strategy, global_batch, steps, warmup, commit_every=None):
         seen["after"] = _type_names(reduced)
         return tf.add_n([tf.reduce_sum(tf.convert_to_tensor(g)) for g in reduced])
 
-    tf.function(lambda: strategy.run(reduce_only))()
+    if isinstance(strategy, HorovodReplicas):
+        seen.update(before=["dense"], after=["dense"])
+    else:
+        tf.function(lambda: strategy.run(reduce_only))()
 
     def timed_steps(state=None):
         times = []
@@ -141,10 +174,24 @@ def run_model(name, strategy, global_batch, steps, warmup, commit_every=None):
     }
 
 
+def horovod_step(hvd, model, optimizer, loss_fn, x, y):
+    """The step as Horovod's examples write it: each rank's mean loss, the
+    gradients averaged over the ranks by DistributedGradientTape."""
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(loss_fn(y, model(x, training=True)))
+        grads = hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("models", help="comma-separated: " + ",".join(models.BUILDERS))
-    parser.add_argument("mode", choices=["none", "mpi", "mwms"])
+    parser.add_argument("mode", choices=["none", "mpi", "mwms", "horovod"])
     parser.add_argument("--batch", type=int, default=256, help="global batch")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
@@ -174,7 +221,7 @@ def main():
                 )
             )
         except Exception as e:
-            if args.mode == "mpi":
+            if args.mode in ("mpi", "horovod"):
                 raise  # the strategy's hook aborts the whole job; the driver records it
             row["error"] = _describe(e)
         row["peak_rss_mb"] = peak_rss_mb()

@@ -15,6 +15,7 @@ the communicator and returns the same values on every rank.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -25,11 +26,19 @@ from mpi4py import MPI
 
 from mpi_strategy._src.core import buffers, rendezvous as rendezvous_lib, ulfm
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
-from mpi_strategy._src.core.rendezvous import ErrorClass, Shape
+from mpi_strategy._src.core.rendezvous import ALLTOALLV, BARRIER, REDUCESCATTER, ErrorClass, Shape
 from mpi_strategy._src.core.timeline import Timeline
 from mpi_strategy._src.core.wire import as_bytes, concat_bytes, split_gathered
 
 Arrays = Sequence[np.ndarray]
+
+# op name -> (the agreement's kind, the MPI op, the numpy ufunc for carried data)
+REDUCTIONS: dict[str, tuple[rendezvous_lib.Kind, MPI.Op, np.ufunc]] = {
+    "sum": (rendezvous_lib.ALLREDUCE, MPI.SUM, np.add),
+    "min": (rendezvous_lib.ALLREDUCE_MIN, MPI.MIN, np.minimum),
+    "max": (rendezvous_lib.ALLREDUCE_MAX, MPI.MAX, np.maximum),
+    "product": (rendezvous_lib.ALLREDUCE_PRODUCT, MPI.PROD, np.multiply),
+}
 _numbers = itertools.count()  # names each communicator in the timeline
 
 
@@ -123,31 +132,103 @@ class Collectives:
         timeout: float | None = None,
         token: int = 0,
     ) -> list[np.ndarray]:
-        """Sums each of ``arrays`` (one dtype) over the ranks, in one MPI call.
+        """``allreduce`` with ``op="sum"``."""
+        return self.allreduce(arrays, "sum", shapes, timeout, token)
 
-        The arrays are copied into one pooled buffer, summed in place and
+    def allreduce(
+        self,
+        arrays: Arrays,
+        op: str = "sum",
+        shapes: Sequence[Shape] | None = None,
+        timeout: float | None = None,
+        token: int = 0,
+    ) -> list[np.ndarray]:
+        """Reduces each of ``arrays`` (one dtype) element-wise over the ranks
+        with ``op`` (one of ``REDUCTIONS``), in one MPI call.
+
+        The arrays are copied into one pooled buffer, reduced in place and
         handed back as aligned views of it (``buffers.py``). ``shapes``: the
         shapes the agreement compares when the caller concatenated the
-        tensors (default: the arrays' own). Small data is summed from the
+        tensors (default: the arrays' own). Small data is reduced from the
         agreement's records, in rank order, alike on every rank.
         """
+        kind, mpi_op, ufunc = REDUCTIONS[op]
         buffer, outs = buffers.pack(arrays, self._pool)
         _, carried = self.rendezvous.agree_carrying(
             as_bytes(buffer),
-            rendezvous_lib.ALLREDUCE,
+            kind,
             arrays[0].dtype,
             shapes or [a.shape for a in arrays],
             timeout=timeout,
             token=token,
         )
         if carried is None:
-            self.comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+            self.comm.Allreduce(MPI.IN_PLACE, buffer, op=mpi_op)
         else:
             every_rank = carried[:, : buffer.nbytes].view(buffer.dtype)
             buffer[...] = every_rank[0]
             for row in every_rank[1:]:
-                buffer += row
+                ufunc(buffer, row, out=buffer)
         return outs
+
+    def reducescatter(
+        self,
+        array: np.ndarray,
+        op: str = "sum",
+        timeout: float | None = None,
+        token: int = 0,
+    ) -> np.ndarray:
+        """``array`` (one shape and dtype on every rank, at least one axis)
+        reduced with ``op``, then cut along axis 0: rank ``r`` gets the rows
+        ``row_split(len(array), size)[r]`` (the first ``len % size`` ranks one
+        row more than the others)."""
+        _, mpi_op, _ = REDUCTIONS[op]
+        array = np.ascontiguousarray(array)
+        self.rendezvous.agree(
+            REDUCESCATTER, array.dtype, [array.shape], timeout=timeout, tag=op, token=token
+        )
+        row = math.prod(array.shape[1:])
+        counts = [n * row for n in row_split(array.shape[0], self.size)]
+        rows = row_split(array.shape[0], self.size)[self.rank]
+        out = buffers.aligned_empty((rows, *array.shape[1:]), array.dtype)
+        if array.size:
+            self.comm.Reduce_scatter(array.reshape(-1), out.reshape(-1), counts, op=mpi_op)
+        return out
+
+    def alltoallv(
+        self, array: np.ndarray, splits: Sequence[int], timeout: float | None = None, token: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``splits[0]`` of ``array`` go to rank 0, the next ``splits[1]``
+        to rank 1, and so on; returns (the rows received, in rank order; how
+        many came from each rank). Shapes beyond axis 0 and the dtype must agree."""
+        array = np.ascontiguousarray(array)
+        sent = np.asarray(splits, np.int64)
+        _, carried = self.rendezvous.agree_carrying(
+            as_bytes(sent),
+            ALLTOALLV,
+            array.dtype,
+            [array.shape[1:]],
+            timeout=timeout,
+            token=token,
+        )
+        if carried is None:
+            matrix = np.empty((self.size, self.size), np.int64)
+            self.comm.Allgather(sent, matrix)
+        else:
+            matrix = carried[:, : sent.nbytes].copy().view(np.int64)
+        received = matrix[:, self.rank].copy()
+        row_bytes = math.prod(array.shape[1:]) * array.itemsize
+        out = buffers.aligned_empty((int(received.sum()), *array.shape[1:]), array.dtype)
+        send_counts, recv_counts = sent * row_bytes, received * row_bytes
+        self.comm.Alltoallv(
+            [as_bytes(array), (send_counts.tolist(), _starts(send_counts)), MPI.BYTE],
+            [as_bytes(out), (recv_counts.tolist(), _starts(recv_counts)), MPI.BYTE],
+        )
+        return out, received
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Returns once every rank has called it (with a timeout, naming the late ranks)."""
+        self.rendezvous.agree(BARRIER, np.uint8, [], timeout=timeout)
 
     def allgather(
         self, arrays: Arrays, timeout: float | None = None, token: int = 0
@@ -207,9 +288,19 @@ class Collectives:
             [array.shape],
             timeout=timeout,
             token=token,
+            tag=f"root {root}",
         )
         if carried is None:
             self.comm.Bcast([as_bytes(out), MPI.BYTE], root=root)
         else:
             as_bytes(out)[...] = carried[root, : out.nbytes]
         return out
+
+
+def row_split(rows: int, parts: int) -> list[int]:
+    """``rows`` cut into ``parts`` as evenly as possible, the larger pieces first."""
+    return [rows // parts + (1 if r < rows % parts else 0) for r in range(parts)]
+
+
+def _starts(counts: np.ndarray) -> list[int]:
+    return (np.cumsum(counts) - counts).tolist()

@@ -119,6 +119,27 @@ ALLTOALL = register_kind(
 )
 # (5 and 6: a save and its end, features/saving/write_point.py)
 FINALIZE = register_kind(Kind(7, "the end of the program", meeting=True))
+_REDUCE_ADVICE = ALLREDUCE.advice + " All ranks must also use the same reduction op."
+ALLREDUCE_MIN = register_kind(Kind(8, "allreduce (min)", _REDUCE_ADVICE))
+ALLREDUCE_MAX = register_kind(Kind(9, "allreduce (max)", _REDUCE_ADVICE))
+ALLREDUCE_PRODUCT = register_kind(Kind(10, "allreduce (product)", _REDUCE_ADVICE))
+REDUCESCATTER = register_kind(
+    Kind(
+        11,
+        "reducescatter",
+        "A reduce-scatter needs a tensor of one shape and dtype on every rank, "
+        "reduced with the same op.",
+    )
+)
+ALLTOALLV = register_kind(
+    Kind(
+        12,
+        "alltoall (splits)",
+        "Every rank must send tensors of one dtype whose shapes agree except along "
+        "the first axis, split in as many pieces as there are ranks.",
+    )
+)
+BARRIER = register_kind(Kind(13, "barrier", meeting=True))
 
 _DTYPES = [
     np.dtype(t)
@@ -315,6 +336,7 @@ class Rendezvous:
         rows: int = 0,
         timeout: float | None = None,
         token: int | None = None,
+        tag: str = "",
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """``agree``, with this rank's ``data`` (a 1-D uint8 array) in the same message.
 
@@ -332,6 +354,7 @@ class Rendezvous:
             rows=rows,
             nbytes=data.size,
             timeout=timeout,
+            tag=tag,
             token=token,
             _data=data if fits else None,
         )
@@ -423,7 +446,10 @@ class Rendezvous:
     def _raise_disagreement(self, everyone: np.ndarray, shapes: Sequence[Shape]) -> None:
         by_rank = "; ".join(f"rank {r}: {describe(s)}" for r, s in enumerate(everyone))
         if np.all(everyone[:, _KIND : _TENSORS + 1] == everyone[0, _KIND : _TENSORS + 1]):
-            by_rank += " (same sizes, but the shapes differ between ranks)"
+            by_rank += (
+                " (same sizes, but the shapes or the parameters, such as a root rank, "
+                "differ between ranks)"
+            )
         kinds = [_kind(code) for code in dict.fromkeys(everyone[:, _KIND].tolist())]
         self.disagreed = kinds
         blamed = [k.blame for k in kinds if k.blame]

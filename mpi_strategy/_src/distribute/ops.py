@@ -20,6 +20,7 @@ crosses MPI as raw buffers, never as pickles.
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,12 +33,23 @@ from mpi_strategy._src import _tf_internal
 from mpi_strategy._src.core import timeline as timeline_lib
 from mpi_strategy._src.core.collectives import Collectives
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
-from mpi_strategy._src.core.rendezvous import Rendezvous
+from mpi_strategy._src.core.rendezvous import ErrorClass, Rendezvous
 from mpi_strategy._src.distribute.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 # Dtypes MPI can sum natively. float16 / bfloat16 are summed in float32 by the
 # caller (MPI has no portable half-precision reduction).
-REDUCIBLE_DTYPES = (tf.float32, tf.float64, tf.int32, tf.int64)
+REDUCIBLE_DTYPES = (
+    tf.float32,
+    tf.float64,
+    tf.int32,
+    tf.int64,
+    tf.int8,
+    tf.uint8,
+    tf.int16,
+    tf.uint16,
+    tf.uint32,
+    tf.uint64,
+)
 
 
 class OrderedComm:
@@ -49,25 +61,42 @@ class OrderedComm:
     communicator.
     """
 
-    def __init__(self, comm: MPI.Intracomm, name_missing_ranks: bool = False) -> None:
+    def __init__(
+        self,
+        comm: MPI.Intracomm,
+        name_missing_ranks: bool = False,
+        mismatch_error: ErrorClass = CollectiveMismatchError,
+        timeout_error: ErrorClass = CollectiveTimeoutError,
+    ) -> None:
         """Collective over ``comm``: every rank of it creates its OrderedComm
         at the same point; the collectives run on their own duplicate of
         ``comm`` (``core.collectives.Collectives``). ``name_missing_ranks``:
-        make timeouts name the ranks that never arrived."""
-        self.collectives = Collectives(
-            comm, name_missing_ranks, CollectiveMismatchError, CollectiveTimeoutError
-        )
+        make timeouts name the ranks that never arrived. ``mismatch_error``,
+        ``timeout_error``: what a disagreement and a timeout raise (eager;
+        see ``errors.py`` for inside ``tf.function``)."""
+        self.collectives = Collectives(comm, name_missing_ranks, mismatch_error, timeout_error)
         self.comm: MPI.Intracomm = self.collectives.comm
         self.rank, self.size = self.collectives.rank, self.collectives.size
-        # The token must be a plain (non-distributed) variable: create it
-        # outside any tf.function, on the host.
-        with tf.init_scope(), tf.device("/device:CPU:0"):
-            self._token = tf.Variable(
-                np.int64(0),
-                trainable=False,
-                name="mpi_ordering_token",
-                synchronization=tf.VariableSynchronization.NONE,
-            )
+        self._token_variable: tf.Variable | None = None
+        # TensorFlow 1 graphs (no variable to initialize there): the last
+        # collective of each graph, and how many it has had.
+        self._chains: weakref.WeakKeyDictionary[tf.Graph, tuple[tf.Tensor, int]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @property
+    def _token(self) -> tf.Variable:
+        """The ordering token, created at first use in the eager outer context."""
+        if self._token_variable is None:
+            # A plain (non-distributed) variable, outside any tf.function, on the host.
+            with tf.init_scope(), tf.device("/device:CPU:0"):
+                self._token_variable = tf.Variable(
+                    np.int64(0),
+                    trainable=False,
+                    name="mpi_ordering_token",
+                    synchronization=tf.VariableSynchronization.NONE,
+                )
+        return self._token_variable
 
     @property
     def rendezvous(self) -> Rendezvous:
@@ -104,12 +133,36 @@ class OrderedComm:
         def with_token(token: np.ndarray, *arrays: np.ndarray) -> list[Any]:
             return [token + 1, *fn(int(token), *arrays)]
 
+        if _in_graph_v1():
+            return self._graph_v1_call(name, with_token, inputs, output_dtypes)
         with tf.device("/device:CPU:0"):
             token = self._token.read_value()
             outputs = tf.numpy_function(
                 with_token, [token, *inputs], [tf.int64, *output_dtypes], stateful=True, name=name
             )
             self._token.assign(outputs[0])
+        return outputs[1:]
+
+    def _graph_v1_call(
+        self,
+        name: str,
+        with_token: Callable[..., list[Any]],
+        inputs: Sequence[tf.Tensor],
+        output_dtypes: Sequence[tf.DType],
+    ) -> list[tf.Tensor]:
+        """In a TensorFlow 1 graph, each collective runs after the graph's
+        previous one (a control dependency), numbered in the order built."""
+        graph = tf.compat.v1.get_default_graph()
+        last, count = self._chains.get(graph, (None, 0))
+        with tf.device("/device:CPU:0"), tf.control_dependencies([] if last is None else [last]):
+            outputs = tf.numpy_function(
+                with_token,
+                [tf.constant(np.int64(count)), *inputs],
+                [tf.int64, *output_dtypes],
+                stateful=True,
+                name=name,
+            )
+        self._chains[graph] = (outputs[0], count + 1)
         return outputs[1:]
 
     # -- collectives -----------------------------------------------------------
@@ -124,7 +177,14 @@ class OrderedComm:
     def allreduce_sum_packed(
         self, tensors: Sequence[tf.Tensor], timeout: float | None = None
     ) -> list[tf.Tensor]:
-        """Sums each of ``tensors`` (all of one dtype) over all ranks, in one MPI call.
+        """``allreduce_packed`` with ``op="sum"``."""
+        return self.allreduce_packed(tensors, "sum", timeout)
+
+    def allreduce_packed(
+        self, tensors: Sequence[tf.Tensor], op: str = "sum", timeout: float | None = None
+    ) -> list[tf.Tensor]:
+        """Reduces each of ``tensors`` (all of one dtype) over all ranks with
+        ``op`` ("sum", "min", "max" or "product"), in one MPI call.
 
         The tensors are copied into one pooled buffer, summed in place by one
         MPI call and handed back as aligned views of it, which TensorFlow
@@ -140,7 +200,7 @@ class OrderedComm:
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1 or tensors[0].dtype not in REDUCIBLE_DTYPES:
             raise MPIStrategyError(
-                f"mpi_strategy: cannot sum dtype(s) {sorted(d.name for d in dtypes)} in one "
+                f"mpi_strategy: cannot reduce dtype(s) {sorted(d.name for d in dtypes)} in one "
                 f"MPI call; supported: one of {[d.name for d in REDUCIBLE_DTYPES]} "
                 "(float16/bfloat16 are summed in float32 by MPICrossDeviceOps)."
             )
@@ -148,26 +208,26 @@ class OrderedComm:
             shapes = [tuple(t.shape) for t in tensors]
             flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
             (summed,) = self._ordered_call(
-                "MPIAllreduce", self._allreduce(shapes, timeout), [flat], [flat.dtype]
+                "MPIAllreduce", self._allreduce(op, shapes, timeout), [flat], [flat.dtype]
             )
             parts = tf.split(summed, [math.prod(shape) for shape in shapes])
             return [tf.reshape(part, shape) for part, shape in zip(parts, shapes)]
         outs = self._ordered_call(
-            "MPIAllreduce", self._allreduce(None, timeout), tensors, [t.dtype for t in tensors]
+            "MPIAllreduce", self._allreduce(op, None, timeout), tensors, [t.dtype for t in tensors]
         )
         for out, t in zip(outs, tensors):
             out.set_shape(t.shape)
         return outs
 
     def _allreduce(
-        self, shapes: list[tuple[int, ...]] | None, timeout: float | None
+        self, op: str, shapes: list[tuple[int, ...]] | None, timeout: float | None
     ) -> Callable[..., list[np.ndarray]]:
         """The numpy function of an allreduce; ``shapes``: the tensors' shapes when
         they arrive concatenated (the agreement compares these), else None."""
         collectives = self.collectives
 
         def allreduce(token: int, *arrays: np.ndarray) -> list[np.ndarray]:
-            return collectives.allreduce_sum(arrays, shapes, timeout, token)
+            return collectives.allreduce(arrays, op, shapes, timeout, token)
 
         return allreduce
 
@@ -237,6 +297,52 @@ class OrderedComm:
         out.set_shape(x.shape)
         return out
 
+    def reducescatter(
+        self, x: tf.Tensor, op: str = "sum", timeout: float | None = None
+    ) -> tf.Tensor:
+        """``x`` (one shape and dtype on every rank) reduced with ``op``; this
+        rank gets its share of the rows (``core.collectives.row_split``)."""
+        _check_not_xla("reducescatter")
+        collectives = self.collectives
+
+        def reducescatter(token: int, array: np.ndarray) -> list[np.ndarray]:
+            return [collectives.reducescatter(array, op, timeout, token)]
+
+        (out,) = self._ordered_call("MPIReducescatter", reducescatter, [x], [x.dtype])
+        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+        return out
+
+    def alltoallv(
+        self, x: tf.Tensor, splits: tf.Tensor, timeout: float | None = None
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        """The first ``splits[r]`` rows after those for lower ranks go to rank
+        ``r``; returns (the rows received, in rank order; how many from each rank)."""
+        _check_not_xla("alltoall")
+        collectives = self.collectives
+
+        def alltoallv(token: int, array: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+            out, received = collectives.alltoallv(array, counts.tolist(), timeout, token)
+            return [out, received]
+
+        out, received = self._ordered_call(
+            "MPIAlltoall", alltoallv, [x, tf.cast(splits, tf.int64)], [x.dtype, tf.int64]
+        )
+        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+        received.set_shape([self.size])
+        return out, received
+
+    def barrier(self, timeout: float | None = None) -> tf.Tensor:
+        """Returns (a scalar 0) once every rank has reached it."""
+        collectives = self.collectives
+
+        def barrier(token: int) -> list[np.ndarray]:
+            collectives.barrier(timeout)
+            return [np.int32(0)]
+
+        (out,) = self._ordered_call("MPIBarrier", barrier, [], [tf.int32])
+        out.set_shape([])
+        return out
+
     def check_same_constants(self, arrays: Sequence[np.ndarray]) -> None:
         """Checks, at the next collective, that ``arrays`` (constants of the
         program, numpy arrays) are the same on every rank, without sending them.
@@ -245,7 +351,7 @@ class OrderedComm:
         part of the next collective's signature, where ranks that held
         different constants raise ``CollectiveMismatchError``.
         """
-        if self.size == 1 or not arrays:
+        if self.size == 1 or not arrays or _in_graph_v1():
             return
         digest = 0
         for array in arrays:
@@ -261,6 +367,12 @@ _CONSTANT_HASH_MASK = (1 << 24) - 1
 # Up to this many bytes, TensorFlow concatenates many tensors into one before
 # they cross into Python (see allreduce_sum_packed).
 _CONCAT_IN_GRAPH_BYTES = 256 * 1024
+
+
+def _in_graph_v1() -> bool:
+    """Whether ops are being built into a TensorFlow 1 graph (run by a Session)."""
+    with tf.init_scope():
+        return not tf.executing_eagerly()
 
 
 def _small_and_static(tensors: Sequence[tf.Tensor]) -> bool:

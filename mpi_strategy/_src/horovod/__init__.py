@@ -1,0 +1,1 @@
+"""Horovod's API (a second public face) on the library's ordered MPI core."""
