@@ -33,6 +33,9 @@ def pytest_collection_modifyitems(config, items):
     # Under mpiexec every rank must run the same tests in the same order.
     if WORLD.Get_size() > 1:
         items[:] = [i for i in items if "single_process" not in i.keywords]
+    # The ranks x devices run is for what builds a strategy on the local devices.
+    if LOCAL_DEVICES > 1:
+        items[:] = [i for i in items if "device_agnostic" not in i.keywords]
 
 
 _exit_status = [0]
@@ -75,4 +78,8 @@ def shared_dir(tmp_path):
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "single_process: runs only outside mpiexec (e.g. launches mpiexec itself)"
+    )
+    config.addinivalue_line(
+        "markers",
+        "device_agnostic: uses no strategy's local devices (not rerun with 2 devices per rank)",
     )

@@ -8,6 +8,10 @@ rank; the progress bar shows on rank 0 only); ``features/saving`` makes the
 writers in ``SITES[...].write_calls`` write points. tf_keras's own redirection
 of non-chief writes to temporary directories (``TF_KERAS_FILE_UTILS``) is
 turned off for MPIStrategy: it would have every rank write.
+``OVERRIDDEN_METHODS``: private methods of Keras classes that classes of
+``horovod/`` override (SyncBatchNormalization), each checked by
+``check_overridden`` before use: on a Keras that moved one, the class raises
+instead of silently not synchronizing.
 
 If a Keras release moves these symbols, the wrappers are skipped with a
 warning: training is unaffected; predict returns local rows and every rank
@@ -19,6 +23,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from mpi_strategy._src._tf_internal import WriteCall
+from mpi_strategy._src.core.errors import MPIStrategyError
+from mpi_strategy._src.core.logs import logger
 
 
 class Site(NamedTuple):
@@ -191,3 +197,62 @@ TF_KERAS_FILE_UTIL_NAMES = (
 TF_KERAS_TRAINING_STATE = "tf_keras.src.distribute.worker_training_state"
 # tf_keras's BackupAndRestore allow-lists strategy classes in this attribute.
 BACKUP_SUPPORTED_STRATEGIES = "_supported_strategies"
+
+
+class OverriddenMethod(NamedTuple):
+    """A private method of a Keras class that a class of mpi_strategy overrides."""
+
+    owner: str  # "package.module:Class"
+    name: str
+    parameters: tuple[str, ...]  # after self, as Keras declares them
+    checked: tuple[int, int]  # the newest Keras (major, minor) checked to call it so
+
+
+# horovod/keras.py: SyncBatchNormalization(keras.layers.BatchNormalization).
+# Keras 3's BatchNormalization.call (training) takes the batch's moments from
+# this method, (inputs, mask) -> (mean, variance) over every axis but `axis`;
+# SyncBatchNormalization computes them over every rank instead.
+BATCH_NORM_MOMENTS = OverriddenMethod(
+    "keras.src.layers.normalization.batch_normalization:BatchNormalization",
+    "_moments",
+    ("inputs", "mask"),
+    (3, 15),
+)
+OVERRIDDEN_METHODS = (BATCH_NORM_MOMENTS,)
+_newer_than_checked: set[OverriddenMethod] = set()
+
+
+def check_overridden(method: OverriddenMethod) -> None:
+    """Raises MPIStrategyError if this Keras has no such method or it takes
+    other parameters (an override would then never be called); logs a warning,
+    once, if Keras is newer than the release it was checked on."""
+    import importlib
+    import inspect
+
+    module_name, _, class_name = method.owner.partition(":")
+    where = f"{method.owner.replace(':', '.')}.{method.name}"
+    try:
+        owner = getattr(importlib.import_module(module_name), class_name)
+        found = inspect.signature(getattr(owner, method.name))
+    except (ImportError, AttributeError, ValueError, TypeError) as exc:
+        raise MPIStrategyError(
+            f"this Keras has no {where} ({exc}), which mpi_strategy overrides; "
+            f"install Keras {method.checked[0]}.{method.checked[1]}"
+        ) from exc
+    parameters = tuple(found.parameters)[1:]
+    if parameters != method.parameters:
+        raise MPIStrategyError(
+            f"this Keras's {where} takes {parameters}, not {method.parameters}: "
+            f"mpi_strategy's override would not be called; install Keras "
+            f"{method.checked[0]}.{method.checked[1]}"
+        )
+    package = importlib.import_module(module_name.partition(".")[0])
+    version = tuple(int(p) for p in str(package.__version__).split(".")[:2] if p.isdigit())
+    if version > method.checked and method not in _newer_than_checked:
+        _newer_than_checked.add(method)
+        logger.warning(
+            "mpi_strategy overrides %s, checked up to Keras %d.%d; found %s.",
+            where,
+            *method.checked,
+            package.__version__,
+        )

@@ -14,6 +14,8 @@ import tensorflow as tf
 from mpi_strategy._src.core.buffers import ALIGN_BYTES, BufferPool, aligned_empty, pack
 from mpi_testing import SIZE, WORLD
 
+pytestmark = pytest.mark.device_agnostic  # buffers alone, no strategy
+
 BIG = 1 << 15  # float32 elements: 128 KiB, pooled
 
 

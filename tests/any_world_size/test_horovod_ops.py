@@ -12,6 +12,8 @@ import tensorflow as tf
 import mpi_strategy.horovod.tensorflow as hvd
 from mpi_testing import RANK, SIZE, assert_same_on_all_ranks
 
+pytestmark = pytest.mark.device_agnostic  # Horovod's API: one process per rank, no strategy
+
 hvd.init()
 
 MODES = ["eager", "function", "graph_v1"]
@@ -246,3 +248,12 @@ def test_ranks_and_sizes():
     assert hvd.cross_size() * hvd.local_size() == SIZE or not hvd.is_homogeneous()
     assert int(hvd.rank_op()) == RANK and int(hvd.size_op()) == SIZE
     assert hvd.mpi_built() and hvd.mpi_enabled() and not hvd.gloo_built() and not hvd.nccl_built()
+
+
+def test_bad_splits_on_one_rank_raise_on_every_rank():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    splits = [1] * SIZE if RANK else [2] * SIZE  # rank 0's splits exceed its rows
+    with pytest.raises(tf.errors.FailedPreconditionError, match=r"splits of rank\(s\) \[0\]"):
+        hvd.alltoall(tf.ones([SIZE, 2]), splits=splits)
+    hvd.barrier()  # and the ranks still agree afterwards

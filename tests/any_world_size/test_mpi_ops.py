@@ -12,6 +12,8 @@ from mpi_strategy._src.distribute.ops import OrderedComm
 from mpi_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError
 from mpi_testing import RANK, SIZE, WORLD, assert_same_on_all_ranks
 
+pytestmark = pytest.mark.device_agnostic  # OrderedComm alone, no strategy
+
 
 @pytest.fixture(scope="module")
 def mpi():

@@ -15,6 +15,8 @@ from mpi_strategy._src.core.collectives import Collectives
 from mpi_strategy._src.distribute.ops import OrderedComm
 from mpi_testing import RANK, SIZE, WORLD
 
+pytestmark = pytest.mark.device_agnostic  # the timeline files, no strategy's devices
+
 
 def _collectives(mpi):
     return [

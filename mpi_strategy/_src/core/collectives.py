@@ -202,7 +202,13 @@ class Collectives:
         to rank 1, and so on; returns (the rows received, in rank order; how
         many came from each rank). Shapes beyond axis 0 and the dtype must agree."""
         array = np.ascontiguousarray(array)
-        sent = np.asarray(splits, np.int64)
+        counts = np.asarray(splits, np.int64).reshape(-1)
+        rows = array.shape[0] if array.ndim else -1
+        # This rank's counts, then whether they fit its array: every rank
+        # learns every rank's, so bad counts raise on every rank.
+        sent = np.zeros(self.size + 1, np.int64)
+        sent[: min(self.size, counts.size)] = counts[: self.size]
+        sent[-1] = counts.size == self.size and bool((counts >= 0).all()) and counts.sum() == rows
         _, carried = self.rendezvous.agree_carrying(
             as_bytes(sent),
             ALLTOALLV,
@@ -212,10 +218,20 @@ class Collectives:
             token=token,
         )
         if carried is None:
-            matrix = np.empty((self.size, self.size), np.int64)
+            matrix = np.empty((self.size, self.size + 1), np.int64)
             self.comm.Allgather(sent, matrix)
         else:
             matrix = carried[:, : sent.nbytes].copy().view(np.int64)
+        bad = np.flatnonzero(matrix[:, -1] == 0).tolist()
+        if bad:
+            raise self._mismatch_error(
+                f"mpi_strategy: alltoall: the splits of rank(s) {bad} do not cut their "
+                f"tensor: each rank needs {self.size} non-negative splits that sum to the "
+                f"length of its tensor's first dimension (this is rank {self.rank}: splits "
+                f"{counts.tolist()}, {rows} rows)."
+            )
+        matrix = matrix[:, :-1]
+        sent = sent[:-1]
         received = matrix[:, self.rank].copy()
         row_bytes = math.prod(array.shape[1:]) * array.itemsize
         out = buffers.aligned_empty((int(received.sum()), *array.shape[1:]), array.dtype)

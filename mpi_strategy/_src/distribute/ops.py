@@ -78,6 +78,9 @@ class OrderedComm:
         self.comm: MPI.Intracomm = self.collectives.comm
         self.rank, self.size = self.collectives.rank, self.collectives.size
         self._token_variable: tf.Variable | None = None
+        with tf.init_scope():
+            if tf.executing_eagerly():  # else at first eager use (not in a TF1 graph)
+                self._token_variable = self._new_token()
         # TensorFlow 1 graphs (no variable to initialize there): the last
         # collective of each graph, and how many it has had.
         self._chains: weakref.WeakKeyDictionary[tf.Graph, tuple[tf.Tensor, int]] = (
@@ -86,17 +89,22 @@ class OrderedComm:
 
     @property
     def _token(self) -> tf.Variable:
-        """The ordering token, created at first use in the eager outer context."""
+        """The ordering token (made here at first use if the communicator was
+        created in a TensorFlow 1 graph)."""
         if self._token_variable is None:
-            # A plain (non-distributed) variable, outside any tf.function, on the host.
-            with tf.init_scope(), tf.device("/device:CPU:0"):
-                self._token_variable = tf.Variable(
-                    np.int64(0),
-                    trainable=False,
-                    name="mpi_ordering_token",
-                    synchronization=tf.VariableSynchronization.NONE,
-                )
+            self._token_variable = self._new_token()
         return self._token_variable
+
+    @staticmethod
+    def _new_token() -> tf.Variable:
+        # A plain (non-distributed) variable, outside any tf.function, on the host.
+        with tf.init_scope(), tf.device("/device:CPU:0"):
+            return tf.Variable(
+                np.int64(0),
+                trainable=False,
+                name="mpi_ordering_token",
+                synchronization=tf.VariableSynchronization.NONE,
+            )
 
     @property
     def rendezvous(self) -> Rendezvous:

@@ -359,11 +359,18 @@ def _wait_for_decision(parent: MPI.Intercomm) -> int:
     survivors may share the cores."""
     status, heard = MPI.Status(), time.monotonic()
     while time.monotonic() - heard < SILENCE_S:
-        if not parent.Iprobe(source=MPI.ANY_SOURCE, tag=_DECISION, status=status):
-            time.sleep(0.02)
-            continue
         message = _word()
-        parent.Recv(message, source=status.Get_source(), tag=_DECISION)
+        try:
+            if not parent.Iprobe(source=MPI.ANY_SOURCE, tag=_DECISION, status=status):
+                time.sleep(0.02)
+                continue
+            parent.Recv(message, source=status.Get_source(), tag=_DECISION)
+        except MPI.Exception as error:
+            if not ulfm.is_process_failure(error):
+                raise
+            # The sender finished or died since it spoke (its message may be
+            # lost with it): no join can follow without it.
+            return _LEAVE
         if message[0] != _HEARTBEAT:
             return int(message[0])
         heard = time.monotonic()
