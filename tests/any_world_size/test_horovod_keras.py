@@ -26,6 +26,8 @@ from mpi_testing import (
     gather_from_all_ranks,
 )
 
+pytestmark = pytest.mark.device_agnostic  # Horovod's API: one process per rank, no strategy
+
 hvd.init()
 
 FEATURES, UNITS, LOCAL, STEPS = 4, 3, 2, 4  # LOCAL rows per rank and step

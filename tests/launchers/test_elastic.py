@@ -292,3 +292,44 @@ def test_replacements_not_joined_yet_leave_when_the_program_ends(uninterrupted):
         assert (
             "this replacement is not needed any more (the survivors lost another rank or finished)"
         ) in out, out[-3000:]
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize(
+    "n,kills,ranks_summed,resets",
+    [
+        # Rank 2 at step 5: back to the commit at step 4, steps 4-11 on 2 ranks.
+        (3, ["2@5"], 4 * 3 + 8 * 2, [2]),
+        # The chief at step 3 (back to step 2), then another rank at step 8 (a commit).
+        (4, ["0@3", "2@8"], 2 * 4 + 6 * 3 + 4 * 2, [3, 2]),
+    ],
+    ids=["3to2", "4to2_chief_first"],
+)
+def test_horovod_elastic_run_continues_on_the_survivors(n, kills, ranks_summed, resets):
+    # Horovod's API (hvd.elastic.run, TensorFlowKerasState, DistributedGradientTape):
+    # tests/programs/horovod_elastic.py. The same batch on every rank, so the
+    # run is the one-process reference run; the steps undone by the rollback
+    # count once, on the ranks that did them again.
+    _needs_ulfm()
+    got, out = _launch(n, kills, example=program("horovod_elastic.py"), args=())
+    assert (got["ranks_at_start"], got["ranks_at_end"], got["steps"]) == (n, n - len(kills), 12)
+    assert (got["ranks_summed"], got["resets"]) == (ranks_summed, resets), out[-3000:]
+    assert got["weights_sum"] == pytest.approx(got["reference"], abs=1e-5)
+    assert out.count("mpi_strategy.horovod.elastic: lost 1 rank(s)") == len(kills), out[-3000:]
+
+
+@pytest.mark.single_process
+def test_horovod_elastic_run_says_why_a_function_traced_before_it_cannot_go_on():
+    # Horovod's examples build their tf.function before hvd.elastic.run. Here
+    # it keeps the collectives (and world size) of its trace: after the loss,
+    # the survivors end with status 1 and say what to do, instead of hanging
+    # or averaging over the old number of ranks.
+    _needs_ulfm()
+    _, out = _launch(
+        3,
+        ["2@5"],
+        example=program("horovod_elastic.py"),
+        args=["--traced-before-run"],
+        ok=False,
+    )
+    assert "StaleCollectiveError" in out and "inside the function decorated" in out, out[-3000:]

@@ -73,6 +73,7 @@ class Collectives:
         )
         self.number = next(_numbers)
         self.failed = False  # a rank died (see RanksLostError)
+        self._retired: Callable[[], Exception] | None = None
         self._mismatch_error = mismatch_error
         self._pool = buffers.BufferPool()
 
@@ -81,6 +82,8 @@ class Collectives:
         ``RanksLostError`` after revoking the communicator."""
 
         def call(*args: Any) -> Any:
+            if self._retired is not None:
+                raise self._retired()
             try:
                 return fn(*args)
             except MPI.Exception as error:
@@ -89,6 +92,11 @@ class Collectives:
                 raise self.ranks_lost(error) from error
 
         return call
+
+    def retire(self, error: Callable[[], Exception]) -> None:
+        """Makes every later collective raise ``error()`` (a communicator that
+        a recovery replaced, still reachable from code traced before it)."""
+        self._retired = error
 
     def ranks_lost(self, error: MPI.Exception) -> RanksLostError:
         """Marks this communicator as failed, revokes it (ranks in another

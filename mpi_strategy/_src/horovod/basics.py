@@ -16,7 +16,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from mpi_strategy._src.core import timeline as timeline_lib
+from mpi_strategy._src.core import failure, timeline as timeline_lib
 from mpi_strategy._src.distribute.ops import OrderedComm
 from mpi_strategy._src.horovod.errors import MismatchError, StalledError
 
@@ -91,6 +91,7 @@ def init(
         return
     comm = _communicator(comm)
     _state["comm"] = comm
+    failure.arm(comm)  # an uncaught exception on one rank ends the job, not a hang
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     _state["local"] = local
     _state["cross"] = comm.Split(local.Get_rank(), comm.Get_rank())

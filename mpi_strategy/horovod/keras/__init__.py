@@ -4,11 +4,10 @@
 The same objects as ``mpi_strategy.horovod.tensorflow.keras`` (standalone
 Keras is Keras 3 here, which the objects there serve), with ``Adasum`` among
 the op constants as in Horovod (``DistributedOptimizer`` refuses it).
-``elastic`` is ``horovod.tensorflow.keras``'s, as an attribute.
 """
 
 from mpi_strategy._src.horovod.ops import Adasum
-from mpi_strategy.horovod.keras import callbacks
+from mpi_strategy.horovod.keras import callbacks, elastic
 from mpi_strategy.horovod.tensorflow.keras import (
     Average,
     Compression,
@@ -27,7 +26,6 @@ from mpi_strategy.horovod.tensorflow.keras import (
     cross_size,
     cuda_built,
     ddl_built,
-    elastic,
     global_process_set,
     gloo_built,
     gloo_enabled,

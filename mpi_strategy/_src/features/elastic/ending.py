@@ -14,15 +14,17 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from mpi4py import MPI
+
 from mpi_strategy._src.core import ulfm
-from mpi_strategy._src.distribute.strategy import MPIStrategy
 
-_state: dict[str, MPIStrategy | None] = {"strategy": None}
+_state: dict[str, Callable[[], MPI.Intracomm] | None] = {"living": None}
 
 
-def end_without_finalize(strategy: MPIStrategy) -> None:
-    """Asks for this end (``elastic.run`` under ULFM), over ``strategy``'s ranks."""
-    _state["strategy"] = strategy
+def end_without_finalize(living: Callable[[], MPI.Intracomm]) -> None:
+    """Asks for this end (an elastic run under ULFM); ``living()``: the
+    communicator of the living ranks at the end (it changes at each recovery)."""
+    _state["living"] = living
 
 
 def end_if_elastic(this_handler: Callable[..., Any]) -> None:
@@ -31,10 +33,10 @@ def end_if_elastic(this_handler: Callable[..., Any]) -> None:
     once the exit handlers registered before ``this_handler`` (the caller,
     unregistered first) have run. A replacement of a lost rank exits as usual:
     Open MPI fails the job if a spawned process skips MPI_Finalize."""
-    strategy = _state["strategy"]
-    if strategy is None:
+    living = _state["living"]
+    if living is None:
         return
-    ulfm.meet_the_living(strategy.extended.ordered_comm.comm)
+    ulfm.meet_the_living(living())
     if ulfm.is_replacement():
         return
     atexit.unregister(this_handler)

@@ -143,7 +143,7 @@ def _join(strategy: MPIStrategy, state: State) -> None:
     next commit, and continues the strategy with them from it."""
     _build_optimizers(strategy, state_lib.trackables_of(state))
     if ulfm.ulfm_launch():
-        ending.end_without_finalize(strategy)
+        ending.end_without_finalize(lambda: strategy.extended.ordered_comm.comm)
     merged, newest = replacement.join_survivors(state_lib.specs(state))
     recovery.continue_on(strategy, state, merged)
     state_lib.load(state, newest)
@@ -154,7 +154,7 @@ def _start(strategy: MPIStrategy, state: State, directory: str) -> bool:
     ``directory`` if an earlier launch saved it there; True if loaded."""
     _build_optimizers(strategy, state_lib.trackables_of(state))
     if ulfm.ulfm_launch():
-        ending.end_without_finalize(strategy)
+        ending.end_without_finalize(lambda: strategy.extended.ordered_comm.comm)
     elif strategy.extended.comm.Get_size() > 1:
         logger.warning(
             "mpi_strategy.elastic: this launch has no User-Level Failure Mitigation "
