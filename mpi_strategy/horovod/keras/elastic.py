@@ -1,19 +1,6 @@
 """``horovod.keras.elastic``: ``mpi_strategy.horovod.tensorflow.keras.elastic``'s objects."""
 
-from mpi_strategy.horovod.tensorflow.keras.elastic import (
-    CommitStateCallback,
-    KerasState,
-    TensorFlowKerasState,
-    UpdateBatchStateCallback,
-    UpdateEpochStateCallback,
-    run,
-)
+from mpi_strategy.horovod.tensorflow.keras import elastic as _same
+from mpi_strategy.horovod.tensorflow.keras.elastic import *  # noqa: F403 (one API, two names)
 
-__all__ = [
-    "KerasState",
-    "TensorFlowKerasState",
-    "CommitStateCallback",
-    "UpdateBatchStateCallback",
-    "UpdateEpochStateCallback",
-    "run",
-]
+__all__ = list(_same.__all__)
