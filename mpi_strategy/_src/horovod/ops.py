@@ -44,17 +44,19 @@ def _check_op(op: int) -> None:
         raise ValueError(f"unknown reduction op {op!r}")
 
 
-def _scale(tensor: tf.Tensor, factor: float) -> tf.Tensor:
-    """``tensor * factor`` in its dtype, computed as Horovod does: integers
-    in float64 (then truncated), half precision in float32."""
-    if factor == 1.0:
+def _scale(tensor: tf.Tensor, factor: float, divisor: int = 1) -> tf.Tensor:
+    """``tensor * factor / divisor`` in its dtype, computed as Horovod does:
+    integers in float64 (then truncated), half precision in float32. An
+    average divides (``x * 3 / 3`` is ``x`` again; ``x * 3 * (1/3)`` may not be)."""
+    if factor == 1.0 and divisor == 1:
         return tensor
     dtype = tensor.dtype
     if dtype in _WIDENED:
-        return tf.cast(tf.cast(tensor, tf.float32) * factor, dtype)
+        return tf.cast(tf.cast(tensor, tf.float32) * factor / divisor, dtype)
     if dtype.is_floating or dtype.is_complex:
-        return tensor * tf.constant(factor, dtype)
-    return tf.cast(tf.cast(tensor, tf.float64) * factor, dtype)
+        scaled = tensor * tf.constant(factor, dtype) if factor != 1.0 else tensor
+        return scaled / tf.constant(divisor, dtype) if divisor != 1 else scaled
+    return tf.cast(tf.cast(tensor, tf.float64) * factor / divisor, dtype)
 
 
 def _set(process_set: ProcessSet) -> Any:
@@ -72,8 +74,6 @@ def _reduce_dense(
     """Reduces dense tensors; one MPI call per dtype (half precision in float32)."""
     ordered = _set(process_set)
     size = process_set.size()
-    if op == Average:
-        postscale_factor = postscale_factor / size
     name = _OP_NAMES[Sum if op == Average else op]
     inputs = [_scale(tf.convert_to_tensor(t), prescale_factor) for t in tensors]
     wide = [tf.cast(t, tf.float32) if t.dtype in _WIDENED else t for t in inputs]
@@ -85,8 +85,9 @@ def _reduce_dense(
         reduced = ordered.allreduce_packed([wide[i] for i in indices], name)
         for i, out in zip(indices, reduced):
             outs[i] = out
+    divisor = size if op == Average else 1
     return [
-        _scale(tf.cast(out, t.dtype) if t.dtype in _WIDENED else out, postscale_factor)
+        _scale(tf.cast(out, t.dtype) if t.dtype in _WIDENED else out, postscale_factor, divisor)
         for out, t in zip(outs, inputs)
     ]
 
@@ -338,7 +339,7 @@ def _grouped_reducescatter(
     for x in inputs:
         if x.shape.rank == 0:
             raise ValueError("reducescatter: a scalar cannot be scattered (it needs an axis 0)")
-    post = postscale_factor / size if op == Average else postscale_factor
+    divisor = size if op == Average else 1
 
     def scatter(*xs: tf.Tensor) -> list[tf.Tensor]:
         outs = []
@@ -346,7 +347,7 @@ def _grouped_reducescatter(
             y = _scale(x, prescale_factor)
             wide = tf.cast(y, tf.float32) if y.dtype in _WIDENED else y
             out = ordered.reducescatter(wide, "sum")
-            outs.append(_scale(tf.cast(out, x.dtype), post))
+            outs.append(_scale(tf.cast(out, x.dtype), postscale_factor, divisor))
         return outs
 
     def backward(*dys: tf.Tensor) -> list[tf.Tensor]:
