@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from types import TracebackType
 
 from mpi4py import MPI
@@ -81,7 +82,18 @@ def _what_happens_now(exc: BaseException) -> str:
 
 
 def _every_living_rank_raises(exc: BaseException) -> bool:
+    if any(test(exc) for test in _SHARED_ERRORS):
+        return True
     return isinstance(exc, (RanksLostError, TooFewRanksError)) or is_process_failure(exc)
+
+
+_SHARED_ERRORS: list[Callable[[BaseException], bool]] = []
+
+
+def raised_by_every_living_rank(test: Callable[[BaseException], bool]) -> None:
+    """Adds an error that every living rank raises at once (``test(exc)``), so
+    that under ULFM it ends each rank with status 1 (see ``_leave_under_ulfm``)."""
+    _SHARED_ERRORS.append(test)
 
 
 def _leave_under_ulfm(exc: BaseException) -> None:

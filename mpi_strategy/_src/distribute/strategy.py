@@ -46,7 +46,8 @@ _state: dict[str, Any] = {"world": None, "warned_ignored": False}
 
 
 def on_scope(listener: Callable[[], None]) -> None:
-    """Calls ``listener()`` whenever an MPIStrategy is built or its scope entered."""
+    """Calls ``listener()`` whenever an MPIStrategy is built or its scope
+    entered, or another face starts its MPI work (``face_started``)."""
     if listener not in _SCOPE_LISTENERS:
         _SCOPE_LISTENERS.append(listener)
 
@@ -415,6 +416,12 @@ class MPIExtended(_tf_internal.MirroredExtended):
             for i in range(len(self._devices))
         ]
         return _tf_internal.regroup(values, always_wrap=True)
+
+
+def face_started() -> None:
+    """Another public face (Horovod's ``init``) has started its MPI work: the
+    listeners learn of it as of an MPIStrategy's construction."""
+    _notify_scope_listeners()
 
 
 def _notify_scope_listeners() -> None:

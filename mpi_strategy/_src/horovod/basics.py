@@ -17,6 +17,7 @@ from typing import Any
 from mpi4py import MPI
 
 from mpi_strategy._src.core import failure, timeline as timeline_lib
+from mpi_strategy._src.distribute import strategy as strategy_lib
 from mpi_strategy._src.distribute.ops import OrderedComm
 from mpi_strategy._src.horovod.errors import MismatchError, StalledError
 
@@ -92,6 +93,7 @@ def init(
     comm = _communicator(comm)
     _state["comm"] = comm
     failure.arm(comm)  # an uncaught exception on one rank ends the job, not a hang
+    strategy_lib.face_started()  # (the hook that does so is installed then)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     _state["local"] = local
     _state["cross"] = comm.Split(local.Get_rank(), comm.Get_rank())

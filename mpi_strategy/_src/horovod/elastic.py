@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
-from mpi_strategy._src.core import logs, ulfm
+from mpi_strategy._src.core import failure, logs, ulfm
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.distribute.ops import OrderedComm
@@ -436,6 +436,17 @@ class StaleCollectiveError(MPIStrategyError):
 
 
 StaleCollectiveError.__module__ = "mpi_strategy.horovod.tensorflow.elastic"  # its public name
+
+
+def _is_stale(error: BaseException) -> bool:
+    """A ``StaleCollectiveError``, also as it leaves a tf.function (its name in
+    the message): every survivor raises it at once."""
+    return isinstance(error, StaleCollectiveError) or (
+        isinstance(error, tf.errors.OpError) and StaleCollectiveError.__name__ in str(error)
+    )
+
+
+failure.raised_by_every_living_rank(_is_stale)
 
 
 def _retire(ordered: OrderedComm) -> None:
