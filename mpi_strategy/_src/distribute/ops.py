@@ -141,7 +141,7 @@ class OrderedComm:
         def with_token(token: np.ndarray, *arrays: np.ndarray) -> list[Any]:
             return [token + 1, *fn(int(token), *arrays)]
 
-        if _in_graph_v1():
+        if not tf.executing_eagerly() and _in_graph_v1():  # (eager: never; cheap first)
             return self._graph_v1_call(name, with_token, inputs, output_dtypes)
         with tf.device("/device:CPU:0"):
             token = self._token.read_value()
