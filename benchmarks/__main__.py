@@ -4,6 +4,7 @@
     python -m benchmarks --quick    # smoke run (a couple of minutes) into benchmarks/results/quick/
     python -m benchmarks --links    # only the emulated slow link (root: netns + tc): links.json/.md
     python -m benchmarks --elastic  # only elastic mode's cost (Open MPI 5, ULFM): elastic.json/.md
+    python -m benchmarks --kernels  # only native kernels vs the Python engine: kernels.json/.md
 
 Full run: benchmarks/results/latest.json and latest.md, docs/img/*.png, and the
 generated block of docs/benchmarks.md. Each figure of docs/benchmarks.md comes
@@ -16,14 +17,12 @@ import contextlib
 import importlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from importlib import metadata
 
-from benchmarks import cost_model, json_objects, load_average, report, timeline_view
+from benchmarks import cost_model, load_average, report, timeline_view
+from benchmarks.launching import launch_together, python_module, train_variant
 from testing.launch import mpiexec_command, mpiexec_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,118 +40,6 @@ QUICK_STEPS = (6, 2)
 # Compute time per replica for the cost model: the paper's workloads at batch 32.
 COMPUTE_MODELS = ["lenet3", "cnn", "higgs"]
 COMPUTE_BATCH = 32
-PROCESS_TIMEOUT = 420  # seconds for one launch; a hung variant is killed and recorded
-
-
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("localhost", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def launch_together(commands, timeout=PROCESS_TIMEOUT):
-    """Starts every ``(argv, extra_env)`` at once; returns (JSON rows, error or None).
-
-    Each process prints JSON lines; a non-zero exit, a timeout or a row with an
-    ``error`` field makes the error text, so the caller records it as the
-    variant's result instead of dropping the row.
-    """
-    procs = []
-    for argv, extra_env in commands:
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **extra_env)
-        procs.append(
-            subprocess.Popen(
-                argv,
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )
-        )
-    deadline = time.monotonic() + timeout
-    rows, errors = [], []
-    for proc, (argv, _) in zip(procs, commands):
-        try:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:  # kill the whole variant: its peers would wait forever
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            errors.append(f"timeout after {timeout} s: {' '.join(argv)}")
-        rows.extend(json_objects(out))
-        if proc.returncode != 0:
-            tail = "\n".join(err.strip().splitlines()[-15:])
-            errors.append(f"exit {proc.returncode}: {' '.join(argv)}\n{tail}")
-    errors.extend(r["error"] for r in rows if r.get("error"))
-    return rows, ("\n".join(errors) or None)
-
-
-def _python(*args):
-    return [sys.executable, "-m", *args]
-
-
-def train_variant(model, variant, ranks, batch, steps, warmup):
-    """One row of the training table: median ms/step, samples/s, peak RSS per process."""
-    step_args = ["--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
-    script = _python("benchmarks.train_step", model)
-    if variant == "no_strategy":
-        commands = [([*script, "none", *step_args], {})]
-    elif variant == "mpi_1_rank":
-        commands = [([*script, "mpi", *step_args], {})]
-    elif variant == "mpi":
-        commands = [([*mpiexec_command(ranks), *script, "mpi", *step_args], mpiexec_env())]
-    elif variant == "mwms":
-        cluster = {"worker": [f"localhost:{p}" for p in _free_ports(ranks)]}
-        commands = [
-            (
-                [*script, "mwms", *step_args],
-                {
-                    "TF_CONFIG": json.dumps(
-                        {"cluster": cluster, "task": {"type": "worker", "index": i}}
-                    )
-                },
-            )
-            for i in range(ranks)
-        ]
-    elif variant == "ceiling":
-        # Independent processes, each with its share of the batch, at the same time.
-        half = ["--batch", str(batch // ranks), "--steps", str(steps), "--warmup", str(warmup)]
-        commands = [([*script, "none", *half], {}) for _ in range(ranks)]
-    else:
-        raise ValueError(variant)
-    start = time.monotonic()
-    rows, error = launch_together(commands)
-    good = [r for r in rows if "ms_per_step" in r]
-    result = {
-        "model": model,
-        "variant": variant,
-        "global_batch": batch,
-        "processes": len(commands) if variant != "mpi" else ranks,
-        "wall_s": time.monotonic() - start,
-        "error": error,
-        "per_process": rows,
-    }
-    if good and not error:
-        ms = max(r["ms_per_step"] for r in good)  # a step is as slow as its slowest rank
-        result.update(
-            ms_per_step=ms,
-            samples_per_s=batch / ms * 1e3,
-            peak_rss_mb=[r["peak_rss_mb"] for r in good],
-            params=good[0]["params"],
-            grad_types_after_reduce=good[0]["grad_types_after_reduce"],
-            grad_types_before_reduce=good[0]["grad_types_before_reduce"],
-        )
-    return result
-
-
 TIMELINE_MODELS = ["higgs_small", "widedeep"]
 
 
@@ -168,7 +55,7 @@ def timeline_part(args, out_dir):
             [
                 (
                     mpiexec_command(args.ranks)
-                    + _python(
+                    + python_module(
                         "benchmarks.train_step",
                         model,
                         "mpi",
@@ -250,9 +137,14 @@ def main():
         help="only elastic mode's step time against elastic mode off (needs "
         "Open MPI 5 with ULFM; skipped with a message otherwise)",
     )
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="only the native kernels against the Python engine (benchmarks/kernels.py)",
+    )
     args = parser.parse_args()
     out_dir = args.out_dir or os.path.join(HERE, "results", "quick" if args.quick else "")
-    for name in ("links", "elastic"):
+    for name in ("links", "elastic", "kernels"):
         if getattr(args, name):
             return run_part(name, args.quick, out_dir)
     write_docs = not (args.quick or args.no_docs)
@@ -274,7 +166,7 @@ def main():
         [
             (
                 mpiexec_command(args.ranks)
-                + _python("benchmarks.collectives")
+                + python_module("benchmarks.collectives")
                 + (["--quick"] if args.quick else []),
                 mpiexec_env(),
             )
@@ -302,7 +194,7 @@ def main():
     rows, error = launch_together(
         [
             (
-                _python(
+                python_module(
                     "benchmarks.train_step",
                     ",".join(COMPUTE_MODELS),
                     "none",

@@ -198,6 +198,80 @@ def project(workloads, intra, networks=None, core_counts=None, cores_per_node=CO
     return rows
 
 
+def record_bytes(p):
+    """Bytes of each rank's agreement record (mpi_strategy's rendezvous.record_bytes)."""
+    return max(128, min(512, 16384 // max(p, 1) // 8 * 8))
+
+
+def allgather_time(nbytes, p, alpha, beta):
+    """Seconds for an allgather of ``nbytes`` from each of ``p`` ranks
+    (recursive doubling: log2(p) rounds, (p-1) x nbytes received)."""
+    if p <= 1:
+        return 0.0
+    return math.ceil(math.log2(p)) * alpha + (p - 1) * nbytes * beta
+
+
+ENGINE_CORES = [1, 16, 20, 64, 80, 320, 1024, 4096]
+
+
+def engine_projection(
+    workloads, intra, fixed_s, collectives=2, networks=None, cores_per_node=CORES_PER_NODE
+):
+    """Step time and speedup per engine: each collective costs its engine's
+    fixed cost (``fixed_s``: {engine: seconds beyond MPI}, measured) and the
+    agreement (an allgather of ``record_bytes(p)`` per rank) on top of the
+    model's allreduce; ``collectives`` per step (the fused gradients and the
+    loss). Rows also give the agreement's share of the step."""
+    networks = NETWORKS if networks is None else networks
+    rows = []
+    for name, w in workloads.items():
+        nbytes = 4 * w["params"]
+        for label, net in networks.items():
+            for engine, fixed in fixed_s.items():
+
+                def at(p, fixed=fixed, net=net, nbytes=nbytes, w=w):
+                    link = link_at(p, intra, net, cores_per_node)
+                    agreement = allgather_time(record_bytes(p), p, link["alpha"], link["beta"])
+                    reduce = allreduce_time(nbytes, p, link["alpha"], link["beta"])
+                    fixed_p = fixed if p > 1 else 0.0
+                    return w["compute_s"] + collectives * (fixed_p + agreement) + reduce, agreement
+
+                one, _ = at(1)
+                for p in ENGINE_CORES:
+                    t, agreement = at(p)
+                    rows.append(
+                        {
+                            "workload": name,
+                            "network": label,
+                            "engine": engine,
+                            "cores": p,
+                            "step_ms": t * 1e3,
+                            "speedup": p * one / t,
+                            "agreement_share": collectives * agreement / t,
+                        }
+                    )
+    return rows
+
+
+def engine_comparison(rows):
+    """The paper's table (speedup at its core counts over its base) per engine."""
+    out = []
+    for name, spec in PAPER_WORKLOADS.items():
+        cores, paper, base = spec["paper"]
+        for label in NETWORKS:
+            row = {"workload": name, "network": label, "cores": cores, "paper_speedup": paper}
+            for engine in sorted({r["engine"] for r in rows}):
+                by = {
+                    r["cores"]: r
+                    for r in rows
+                    if (r["workload"], r["network"], r["engine"]) == (name, label, engine)
+                }
+                row[f"{engine}_speedup"] = by[cores]["speedup"] / by[base]["speedup"]
+                row[f"{engine}_agreement_share_at_4096"] = by[4096]["agreement_share"]
+            out.append(row)
+    return out
+
+
 def speedup_at(rows, workload, network, cores, base=1, key="speedup"):
     by_cores = {
         r["cores"]: r[key] for r in rows if r["workload"] == workload and r["network"] == network

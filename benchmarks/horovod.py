@@ -6,7 +6,9 @@
 
 One training step (benchmarks.train_step) on 2 ranks, launched alternately
 (A B C ..., so that the drift of a busy machine hits all alike) as:
-``mpi`` (MPIStrategy), ``hvd-face`` (the same step written for Horovod, run
+``mpi`` (MPIStrategy, on the default engine: the native kernels where they
+build), ``mpi-python-engine`` (MPI_STRATEGY_KERNELS=python), ``hvd-face``
+(the same step written for Horovod, run
 by ``python -m mpi_strategy.horovod``: DistributedGradientTape on the same
 collective core) and, given a venv with Horovod built (its own Python and
 MPI: see docs/benchmarks.md for the recipe), ``horovod`` with its default
@@ -34,6 +36,10 @@ def variants(venv: str | None, ranks: int) -> dict[str, tuple[list[str], dict[st
     ours = [*mpiexec_command(ranks), sys.executable]
     found = {
         "mpi": ([*ours, "-m", "benchmarks.train_step"], {}),
+        "mpi-python-engine": (
+            [*ours, "-m", "benchmarks.train_step"],
+            {"MPI_STRATEGY_KERNELS": "python"},
+        ),
         "hvd-face": (
             [*ours, "-m", "mpi_strategy.horovod", "-m", "benchmarks.train_step"],
             {},
@@ -63,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: dict[str, list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for name, (prefix, extra) in variants(args.horovod_venv, args.ranks).items():
-            mode = "mpi" if name == "mpi" else "horovod"
+            mode = "mpi" if name.startswith("mpi") else "horovod"
             step_args = [args.models, mode, "--steps", str(args.steps)]
             step_args += ["--warmup", str(max(5, args.steps // 6))]
             ms = slowest_rank_ms([*prefix, *step_args], REPO, dict(env, **extra))

@@ -3,8 +3,10 @@
     mpiexec -n 4 python -m mpi_strategy
     python -m mpi_strategy timeline trace.json   # merge a timeline's per-rank files
 
-Every rank reports its host, MPI library, thread level, TensorFlow version and
-devices; then a reduction through MPIStrategy is checked against its known
+Every rank reports its host, MPI library, thread level, TensorFlow version,
+which engine runs the collectives (``kernels=native``: compiled kernels;
+``python``: see ``MPI_STRATEGY_KERNELS`` in docs/concepts.md) and devices;
+then a reduction through MPIStrategy is checked against its known
 result. Rank 0 prints one line per rank and a verdict; the exit status is 0
 only if every rank passed. The reports travel as bytes (Gather of lengths,
 Gatherv of UTF-8 text), never as pickles, like everything else mpi_strategy
@@ -47,6 +49,9 @@ def main() -> int:
         import mpi_strategy
 
         report["tensorflow"] = tf.__version__
+        from mpi_strategy._src.native import engine
+
+        report["kernels"] = engine.active()
         strategy = mpi_strategy.MPIStrategy()
         report["devices"] = ",".join(d.split("/")[-1] for d in strategy.extended.worker_devices)
 

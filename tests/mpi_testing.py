@@ -31,6 +31,29 @@ def program(name):
     return os.path.join(PROGRAMS, name)
 
 
+# The op types of an MPI collective in a graph: the numpy engine's
+# tf.numpy_function, or a native kernel (named like it: MPIAllreduce, ...).
+MPI_OP_TYPES = frozenset(
+    {"PyFunc", "MpiStrategyAllreduce", "MpiStrategyBroadcast", "MpiStrategyAllgather"}
+)
+
+
+def mpi_calls(graph):
+    """The MPI collectives of ``graph``: [(name such as "MPIAllreduce", op)]."""
+    return [
+        (op.name.split("/")[-1].rstrip("_0123456789"), op)
+        for op in graph.get_operations()
+        if op.type in MPI_OP_TYPES
+    ]
+
+
+def on_python_engine(ordered):
+    """``ordered`` (an OrderedComm), made to run its collectives on the numpy
+    engine even where the native kernels are in use."""
+    ordered._native = None
+    return ordered
+
+
 def local_devices():
     return [f"/device:CPU:{i}" for i in range(LOCAL_DEVICES)]
 

@@ -7,7 +7,15 @@ import tensorflow as tf
 from mpi_strategy import MPICrossDeviceOps, MPIStrategy, compression
 from mpi_strategy._src.distribute.ops import OrderedComm
 from mpi_strategy.errors import MPIStrategyError
-from mpi_testing import NUM_REPLICAS, RANK, SIZE, WORLD, assert_same_on_all_ranks, local_devices
+from mpi_testing import (
+    NUM_REPLICAS,
+    RANK,
+    SIZE,
+    WORLD,
+    assert_same_on_all_ranks,
+    local_devices,
+    mpi_calls,
+)
 
 WIRE = {"float16": np.float16, "bfloat16": tf.bfloat16.as_numpy_dtype}
 SHAPES = [(300, 70), (70, 80), (5000,)]  # each over MIN_BYTES (16 KiB) in float32
@@ -66,11 +74,7 @@ def test_large_tensors_go_16_bit_in_one_alltoall_and_allgather_small_ones_exact(
     policy = compression.resolve("float16")
     tensors = [tf.zeros(s) for s in SHAPES] + [tf.zeros([]), tf.zeros([10])]
     graph = tf.function(lambda: policy.allreduce(tensors, mpi)).get_concrete_function().graph
-    calls = {
-        op.name.split("/")[-1].rstrip("_0123456789"): op
-        for op in graph.get_operations()
-        if op.type == "PyFunc"
-    }
+    calls = dict(mpi_calls(graph))
     assert sorted(calls) == ["MPIAllgather", "MPIAllreduce", "MPIAlltoall"], sorted(calls)
     # 16-bit values on the wire: half the bytes of float32.
     for name in ("MPIAllgather", "MPIAlltoall"):

@@ -5,15 +5,13 @@ import pytest
 import tensorflow as tf
 
 from mpi_strategy import MPICrossDeviceOps
-from mpi_testing import NUM_REPLICAS, RANK, SIZE
+from mpi_testing import NUM_REPLICAS, RANK, SIZE, mpi_calls
 
 
 def _mpi_op_counts(concrete_function):
     counts = {}
-    for op in concrete_function.graph.get_operations():
-        if op.type == "PyFunc":  # a stateful tf.numpy_function
-            name = op.name.split("/")[-1].rstrip("_0123456789")
-            counts[name] = counts.get(name, 0) + 1
+    for name, _ in mpi_calls(concrete_function.graph):
+        counts[name] = counts.get(name, 0) + 1
     return counts
 
 

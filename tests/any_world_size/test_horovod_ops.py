@@ -211,6 +211,23 @@ def test_disagreeing_ops_raise_failed_precondition_on_every_rank():
         hvd.broadcast(tf.ones([3]), RANK)
 
 
+def test_disagreeing_ops_inside_a_function_raise_failed_precondition_with_the_kernels():
+    # Horovod's class, which an op's Python function cannot raise (there it
+    # is UnknownError): the compiled kernels set it.
+    from mpi_strategy._src.native import engine
+
+    if SIZE == 1 or engine.active() != "native":
+        pytest.skip("needs two ranks and the native kernels")
+    op = hvd.Sum if RANK == 0 else hvd.Max
+    with pytest.raises(
+        tf.errors.FailedPreconditionError, match=r"MismatchError: .*allreduce \(max\)"
+    ):
+        tf.function(lambda: hvd.allreduce(tf.ones([3]), op=op))()
+    with pytest.raises(tf.errors.FailedPreconditionError, match="root rank"):
+        tf.function(lambda: hvd.broadcast(tf.ones([3]), RANK))()
+    np.testing.assert_array_equal(hvd.allreduce(tf.ones([2]), op=hvd.Sum), [SIZE, SIZE])
+
+
 def test_adasum_is_refused_clearly():
     with pytest.raises(NotImplementedError, match="Adasum"):
         hvd.allreduce(tf.ones([2]), op=hvd.Adasum)

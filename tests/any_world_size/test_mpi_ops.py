@@ -10,14 +10,21 @@ import tensorflow as tf
 from mpi_strategy._src.core import rendezvous
 from mpi_strategy._src.distribute.ops import OrderedComm
 from mpi_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError
-from mpi_testing import RANK, SIZE, WORLD, assert_same_on_all_ranks
+from mpi_testing import RANK, SIZE, WORLD, assert_same_on_all_ranks, on_python_engine
 
 pytestmark = pytest.mark.device_agnostic  # OrderedComm alone, no strategy
 
 
-@pytest.fixture(scope="module")
-def mpi():
-    return OrderedComm(WORLD)
+@pytest.fixture(scope="module", params=["native", "python"])
+def mpi(request):
+    """An OrderedComm on each engine: the compiled kernels (when built here)
+    and the numpy one; every test that takes it runs on both."""
+    ordered = OrderedComm(WORLD)
+    if request.param == "python":
+        return on_python_engine(ordered)
+    if ordered._native is None and SIZE > 1:
+        pytest.skip("the native kernels are not in use (MPI_STRATEGY_KERNELS)")
+    return ordered
 
 
 def _raised(in_function, tf_error, ours, match, fn, *args):
@@ -83,7 +90,7 @@ def test_collectives_run_on_their_own_duplicate_freed_with_the_ordered_comm():
 def test_small_collectives_take_one_mpi_call_and_large_ones_two():
     if SIZE == 1:
         pytest.skip("a 1-rank world does not call MPI")
-    ordered = OrderedComm(WORLD)
+    ordered = on_python_engine(OrderedComm(WORLD))  # (the kernels call MPI from C)
     counting = CountingComm(WORLD)
     ordered.collectives.comm = ordered.rendezvous._comm = counting
     ordered.allreduce_sum(tf.ones([3]))
@@ -131,7 +138,7 @@ def test_slots_are_aligned_and_packed_with_zero_padding():
         np.arange(17, dtype=np.float32),
     ]
     buffer, views = pack(arrays, BufferPool())
-    assert buffer.size == 16 + 304 + 16 + 0 + 32  # each padded to 64 bytes
+    assert buffer.size == 16 + 304 + 16 + 0 + 17  # each padded to 64 bytes, but the last
     for a, v in zip(arrays, views):
         assert v.shape == a.shape and v.ctypes.data % ALIGN_BYTES == 0
         np.testing.assert_array_equal(v, a)

@@ -111,7 +111,7 @@ def test_overlap_hides_at_most_the_backward_pass_and_each_step_is_labelled_by_it
 
 @pytest.mark.single_process
 def test_one_tiny_training_variant_end_to_end():
-    from benchmarks.__main__ import train_variant
+    from benchmarks.launching import train_variant
     from benchmarks.report import MODEL_NAMES, markdown, rss_ratio
 
     row = train_variant("embedding", "no_strategy", ranks=2, batch=8, steps=2, warmup=1)

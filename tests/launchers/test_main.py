@@ -15,7 +15,15 @@ def test_diagnostics_report_every_rank_and_a_working_collective():
     assert "on 2 rank(s)" in out and "RESULT: ok" in out, out[-3000:]
     for rank in (0, 1):
         line = next(s for s in out.splitlines() if f"rank={rank} " in s)
-        for field in ("host=", "mpi=", "thread_level=multiple", "tensorflow=", "allreduce=ok"):
+        fields = (
+            "host=",
+            "mpi=",
+            "thread_level=multiple",
+            "tensorflow=",
+            "kernels=",
+            "allreduce=ok",
+        )
+        for field in fields:
             assert field in line, line
 
 

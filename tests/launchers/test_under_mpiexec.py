@@ -20,11 +20,18 @@ ANY_WORLD_SIZE = os.path.join(TESTS, "any_world_size")
 SILENCE = DEFAULT_SILENCE
 
 
+# The 2 x 2 launch runs the Python engine (MPI_STRATEGY_KERNELS=python), the
+# others the default: the native kernels where a C++ compiler built them
+# (else the Python engine, on a machine with only Python and pip). The suite
+# passes on both; test_mpi_ops and test_native compare the two engines
+# within every launch.
 @pytest.mark.single_process
 @pytest.mark.parametrize(
-    "ranks,local_devices", [(2, 1), (3, 1), (2, 2)], ids=["2ranks", "3ranks", "2ranks-x-2devices"]
+    "ranks,local_devices,kernels",
+    [(2, 1, "auto"), (3, 1, "auto"), (2, 2, "python")],
+    ids=["2ranks", "3ranks", "2ranks-x-2devices-python-engine"],
 )
-def test_suite_under_mpiexec(ranks, local_devices, tmp_path):
+def test_suite_under_mpiexec(ranks, local_devices, kernels, tmp_path):
     arrivals = []  # when each line of output came: the longest gap is printed
     code, out = run_mpiexec(
         ranks,
@@ -32,6 +39,7 @@ def test_suite_under_mpiexec(ranks, local_devices, tmp_path):
         silence=SILENCE,
         env={
             "MPI_STRATEGY_TEST_LOCAL_DEVICES": str(local_devices),
+            "MPI_STRATEGY_KERNELS": kernels,
             "MPI_STRATEGY_TEST_REPORT_DIR": str(tmp_path),
         },
         cwd=REPO,

@@ -98,8 +98,10 @@ def pack(arrays: Sequence[np.ndarray], pool: BufferPool) -> tuple[np.ndarray, li
     """``arrays`` copied back to back into one pooled buffer, each start aligned.
 
     The padding between them is zero, so one MPI call can reduce the whole
-    buffer in place. Returns ``(buffer, views)``: a view per array, in its
-    shape, which TensorFlow can adopt as results without a copy.
+    buffer in place. Returns ``(buffer, views)``: ``buffer`` ends where the
+    last array does (the native kernels pack alike: native/kernels.cc), and a
+    view per array, in its shape, which TensorFlow can adopt as results
+    without a copy.
     """
     dtype = arrays[0].dtype
     step = max(1, ALIGN_BYTES // dtype.itemsize)
@@ -113,4 +115,4 @@ def pack(arrays: Sequence[np.ndarray], pool: BufferPool) -> tuple[np.ndarray, li
         buffer[start : start + a.size] = a.reshape(-1)
         buffer[start + a.size : end] = 0
         views.append(buffer[start : start + a.size].reshape(a.shape))
-    return buffer, views
+    return buffer[: offsets[-1] + arrays[-1].size], views

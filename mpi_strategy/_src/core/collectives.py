@@ -71,6 +71,9 @@ class Collectives:
         self.rendezvous = rendezvous_lib.Rendezvous(
             comm, name_missing_ranks, mismatch_error, timeout_error
         )
+        self.rendezvous.state[rendezvous_lib.NativeState.DATA_COMM] = rendezvous_lib.as_int64(
+            self.comm.handle
+        )
         self.number = next(_numbers)
         self.failed = False  # a rank died (see RanksLostError)
         self._retired: Callable[[], Exception] | None = None
@@ -97,6 +100,7 @@ class Collectives:
         """Makes every later collective raise ``error()`` (a communicator that
         a recovery replaced, still reachable from code traced before it)."""
         self._retired = error
+        self.rendezvous.state[rendezvous_lib.NativeState.BLOCKED] = 1
 
     def ranks_lost(self, error: MPI.Exception) -> RanksLostError:
         """Marks this communicator as failed, revokes it (ranks in another

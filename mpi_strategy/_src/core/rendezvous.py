@@ -23,6 +23,7 @@ arrived, with the last collective each of them entered.
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import time
@@ -186,6 +187,36 @@ def record_bytes(size: int) -> int:
     return max(128, min(512, 16384 // max(size, 1) // 8 * 8))
 
 
+class NativeState(enum.IntEnum):
+    """The fields of ``Rendezvous.state`` (int64), laid out as the compiled
+    kernels' ``State`` (native/kernels.cc)."""
+
+    SEQ = 0  # the number of the last collective
+    TOKEN = 1  # the ordering token of the previous collective
+    SOLO = 2  # the code of the partial meeting this rank is in alone (0: none)
+    BLOCKED = 3  # nonzero: the kernels ask Python first (a retired communicator)
+    AGREE_COMM = 4  # the MPI handle of the agreement's communicator
+    DATA_COMM = 5  # the MPI handle of the data's communicator (Collectives.comm)
+    RECORD_BYTES = 6
+    RANK = 7
+    SIZE = 8
+    ENGINE = 9  # which Collectives (native/engine.py)
+    CARRY_BYTES = 10
+
+
+def as_int64(handle: int) -> int:
+    """An MPI handle from mpi4py (MPICH's are ints that mpi4py may give
+    sign-extended as unsigned) as the signed 64-bit integer kernels take."""
+    return handle - (1 << 64) if handle >= 1 << 63 else handle
+
+
+def layout(shapes: Sequence[Shape], dtypes: Sequence[Any], tag: str = "") -> tuple[int, int, int]:
+    """(first dtype's code, elements, layout hash): the static part of a
+    signature (``signature``'s ``dtype`` given as a sequence), for kernels that
+    build it without Python."""
+    return _layout(tuple(tuple(int(d) for d in shape) for shape in shapes), tuple(dtypes), tag)
+
+
 def _dtype_code(dtype: Any) -> int:
     dtype = np.dtype(dtype)
     return _DTYPE_CODES.get(dtype, 1000 + dtype.num)
@@ -302,25 +333,48 @@ class Rendezvous:
         that are also ``tf.errors`` classes)."""
         self._comm = comm
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
-        self._seq = 0
+        # The collective number, the previous ordering token and the partial
+        # meeting this rank is in live in ``state``, which compiled kernels
+        # share (``NativeState``).
+        self.state = np.zeros(len(NativeState), np.int64)
+        self.state[NativeState.RECORD_BYTES] = record_bytes(self._size)
+        self.state[NativeState.CARRY_BYTES] = self.carry_bytes
+        self.state[NativeState.RANK], self.state[NativeState.SIZE] = self._rank, self._size
+        self.state[NativeState.AGREE_COMM] = as_int64(comm.handle)
         self._announce_comm = comm.Dup() if name_missing_ranks and self._size > 1 else None
         if self._announce_comm is not None:  # freed with this object (not at exit)
             weakref.finalize(self, self._announce_comm.Free).atexit = False
         self._last_seen = np.zeros(self._size, np.int64)  # last collective each rank entered
         self._sends: list[tuple[MPI.Request, np.ndarray]] = []
         self._mismatch_error, self._timeout_error = mismatch_error, timeout_error
-        self.solo: Kind | None = None  # the partial meeting this rank is in without the others
         self.solo_with: list[int] = []  # after a partial meeting: the ranks in the same one
         self.usable = True  # False once a timeout left a request pending
         self.disagreed: list[Kind] = []  # the kinds the ranks were in at the last mismatch
         self._received = np.empty((0, 0), np.uint8)  # every rank's record of the last exchange
-        self._token = 0  # the ordering token of the previous collective
         self.agreed_at = 0.0  # time.perf_counter() when the last agreement completed
 
     @property
     def seq(self) -> int:
         """The number of the last collective of this communicator (1, 2, ...)."""
-        return self._seq
+        return int(self.state[NativeState.SEQ])
+
+    @property
+    def _seq(self) -> int:
+        return int(self.state[NativeState.SEQ])
+
+    @_seq.setter
+    def _seq(self, value: int) -> None:
+        self.state[NativeState.SEQ] = value
+
+    @property
+    def solo(self) -> Kind | None:
+        """The partial meeting this rank is in without the others (None: none)."""
+        code = int(self.state[NativeState.SOLO])
+        return _kind(code) if code else None
+
+    @solo.setter
+    def solo(self, kind: Kind | None) -> None:
+        self.state[NativeState.SOLO] = kind.code if kind else 0
 
     @property
     def carry_bytes(self) -> int:
@@ -396,14 +450,30 @@ class Rendezvous:
         self.disagreed = []
         token_step = 0
         if token is not None:
-            token_step, self._token = token - self._token, token
+            token_step = token - int(self.state[NativeState.TOKEN])
+            self.state[NativeState.TOKEN] = token
+        mine = signature(self._seq, kind, dtype, shapes, rows, nbytes, tag, self.solo, token_step)
+        agreed = self._settle(
+            self._exchange(mine, _data, shapes, timeout),
+            kind,
+            shapes,
+            lambda: self._exchange(mine, _data, shapes, timeout),
+        )
+        if agreed is not None:
+            self.agreed_at = time.perf_counter()
+        return agreed
+
+    def _settle(
+        self,
+        everyone: np.ndarray,
+        kind: Kind,
+        shapes: Sequence[Shape],
+        exchange: Callable[[], np.ndarray],
+    ) -> np.ndarray | None:
+        """``agree`` after the first exchange: meets again while some ranks
+        are in a partial meeting the others are not, then raises if the ranks
+        disagree."""
         while True:
-            everyone = self._exchange(
-                signature(self._seq, kind, dtype, shapes, rows, nbytes, tag, self.solo, token_step),
-                _data,
-                shapes,
-                timeout,
-            )
             partial = [_kind(code).partial for code in everyone[:, _KIND].tolist()]
             differ = np.any(everyone[:, _MUST_AGREE] != everyone[0, _MUST_AGREE])
             if not (differ and any(partial)):
@@ -413,10 +483,25 @@ class Rendezvous:
                 same = np.all(everyone[:, _KIND:] == everyone[self._rank, _KIND:], axis=1)
                 self.solo_with = np.flatnonzero(same).tolist()
                 return None
+            everyone = exchange()
         if differ:
             self._raise_disagreement(everyone, shapes)
-        self.agreed_at = time.perf_counter()
         return everyone
+
+    def settle_compiled(self, received: np.ndarray, shapes: Sequence[Shape]) -> None:
+        """What a compiled kernel (``native/``) calls when the records it
+        gathered (``received``: one row per rank, updated in place) disagree:
+        ``agree``'s settling, meeting again with this rank's same record. Raises
+        as ``agree`` does."""
+        record = received[self._rank].copy()
+        self.disagreed = []
+
+        def exchange() -> np.ndarray:
+            self._comm.Iallgather(record, received).Wait()
+            return received[:, :_SIGNATURE_BYTES].copy().view(np.int64)
+
+        kind = _kind(int(record[:_SIGNATURE_BYTES].view(np.int64)[_KIND]))
+        self._settle(received[:, :_SIGNATURE_BYTES].copy().view(np.int64), kind, shapes, exchange)
 
     def _exchange(
         self,

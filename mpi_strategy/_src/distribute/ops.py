@@ -35,6 +35,7 @@ from mpi_strategy._src.core.collectives import Collectives
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
 from mpi_strategy._src.core.rendezvous import ErrorClass, Rendezvous
 from mpi_strategy._src.distribute.errors import CollectiveMismatchError, CollectiveTimeoutError
+from mpi_strategy._src.native import engine as native_engine
 
 # Dtypes MPI can sum natively. float16 / bfloat16 are summed in float32 by the
 # caller (MPI has no portable half-precision reduction).
@@ -83,6 +84,8 @@ class OrderedComm:
                 self._token_variable = self._new_token()
         # TensorFlow 1 graphs (no variable to initialize there): the last
         # collective of each graph, and how many it has had.
+        kernels = native_engine.kernels() if self.size > 1 else None
+        self._native = native_engine.NativeComm(kernels, self.collectives) if kernels else None
         self._chains: weakref.WeakKeyDictionary[tf.Graph, tuple[tf.Tensor, int]] = (
             weakref.WeakKeyDictionary()
         )
@@ -127,13 +130,41 @@ class OrderedComm:
         fn: Callable[..., Sequence[np.ndarray]],
         inputs: Sequence[tf.Tensor],
         output_dtypes: Sequence[tf.DType],
+        native: Callable[[tf.Tensor, Sequence[tf.Tensor]], Sequence[tf.Tensor]] | None = None,
     ) -> list[tf.Tensor]:
-        """Runs ``fn(token, *numpy_inputs) -> list of arrays`` as one ordered op.
+        """Runs ``fn(token, *numpy_inputs) -> list of arrays`` as one ordered op,
+        or ``native(token, inputs) -> [next token, *outputs]`` (a compiled
+        kernel doing the same) when the native engine is active and no
+        timeline is recording.
 
         ``token`` (an int, the same on every rank) goes into the collective's
         signature, so that ranks whose earlier constants differed raise.
         """
         trace = timeline_lib.current()
+        if native is None or self._native is None or trace is not None:
+            native = None
+            call = self._numpy_call(name, fn, output_dtypes, trace)
+        else:
+            call = native
+        if not tf.executing_eagerly() and _in_graph_v1():  # (eager: never; cheap first)
+            return self._graph_v1_call(call, inputs)
+        with tf.device("/device:CPU:0"):
+            token = self._token.read_value()
+            if native is not None and tf.executing_eagerly():
+                outputs = self._eager_native(call, token, inputs)
+            else:
+                outputs = call(token, inputs)
+            self._token.assign(outputs[0])
+        return list(outputs[1:])
+
+    def _numpy_call(
+        self,
+        name: str,
+        fn: Callable[..., Sequence[np.ndarray]],
+        output_dtypes: Sequence[tf.DType],
+        trace: timeline_lib.Timeline | None,
+    ) -> Callable[[tf.Tensor, Sequence[tf.Tensor]], Sequence[tf.Tensor]]:
+        """``fn`` as one stateful ``tf.numpy_function`` taking and returning the token."""
         if trace is not None:
             fn = self.collectives.timed(fn, name, trace)
         fn = self.collectives.guarded(fn)
@@ -141,37 +172,52 @@ class OrderedComm:
         def with_token(token: np.ndarray, *arrays: np.ndarray) -> list[Any]:
             return [token + 1, *fn(int(token), *arrays)]
 
-        if not tf.executing_eagerly() and _in_graph_v1():  # (eager: never; cheap first)
-            return self._graph_v1_call(name, with_token, inputs, output_dtypes)
-        with tf.device("/device:CPU:0"):
-            token = self._token.read_value()
-            outputs = tf.numpy_function(
-                with_token, [token, *inputs], [tf.int64, *output_dtypes], stateful=True, name=name
+        def call(token: tf.Tensor, tensors: Sequence[tf.Tensor]) -> Sequence[tf.Tensor]:
+            return tf.numpy_function(
+                with_token, [token, *tensors], [tf.int64, *output_dtypes], stateful=True, name=name
             )
-            self._token.assign(outputs[0])
-        return outputs[1:]
+
+        return call
+
+    def _eager_native(
+        self,
+        call: Callable[[tf.Tensor, Sequence[tf.Tensor]], Sequence[tf.Tensor]],
+        token: tf.Tensor,
+        inputs: Sequence[tf.Tensor],
+    ) -> Sequence[tf.Tensor]:
+        """A kernel's call in eager mode, raising the Python engine's exception
+        (its class, e.g. ``CollectiveMismatchError``) when the kernel failed."""
+        try:
+            return call(token, inputs)
+        except tf.errors.OpError:
+            assert self._native is not None
+            original = self._native.take_error()
+            if original is None:
+                raise
+            raise original from None
 
     def _graph_v1_call(
         self,
-        name: str,
-        with_token: Callable[..., list[Any]],
+        call: Callable[[tf.Tensor, Sequence[tf.Tensor]], Sequence[tf.Tensor]],
         inputs: Sequence[tf.Tensor],
-        output_dtypes: Sequence[tf.DType],
     ) -> list[tf.Tensor]:
         """In a TensorFlow 1 graph, each collective runs after the graph's
         previous one (a control dependency), numbered in the order built."""
         graph = tf.compat.v1.get_default_graph()
         last, count = self._chains.get(graph, (None, 0))
         with tf.device("/device:CPU:0"), tf.control_dependencies([] if last is None else [last]):
-            outputs = tf.numpy_function(
-                with_token,
-                [tf.constant(np.int64(count)), *inputs],
-                [tf.int64, *output_dtypes],
-                stateful=True,
-                name=name,
-            )
+            outputs = call(tf.constant(np.int64(count)), inputs)
         self._chains[graph] = (outputs[0], count + 1)
-        return outputs[1:]
+        return list(outputs[1:])
+
+    def _native_allreduce(
+        self, op: str, shapes: Sequence[tuple[int, ...]] | None, timeout: float | None
+    ) -> Callable[[tf.Tensor, Sequence[tf.Tensor]], Sequence[tf.Tensor]] | None:
+        """The compiled allreduce, when it can run this one (static shapes, no timeout)."""
+        native = self._native
+        if native is None or shapes is None or timeout is not None:
+            return None
+        return lambda token, tensors: native.allreduce(token, tensors, op, shapes)
 
     # -- collectives -----------------------------------------------------------
     def allreduce_sum(self, x: tf.Tensor, timeout: float | None = None) -> tf.Tensor:
@@ -216,12 +262,20 @@ class OrderedComm:
             shapes = [tuple(t.shape) for t in tensors]
             flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
             (summed,) = self._ordered_call(
-                "MPIAllreduce", self._allreduce(op, shapes, timeout), [flat], [flat.dtype]
+                "MPIAllreduce",
+                self._allreduce(op, shapes, timeout),
+                [flat],
+                [flat.dtype],
+                self._native_allreduce(op, shapes, timeout),
             )
             parts = tf.split(summed, [math.prod(shape) for shape in shapes])
             return [tf.reshape(part, shape) for part, shape in zip(parts, shapes)]
         outs = self._ordered_call(
-            "MPIAllreduce", self._allreduce(op, None, timeout), tensors, [t.dtype for t in tensors]
+            "MPIAllreduce",
+            self._allreduce(op, None, timeout),
+            tensors,
+            [t.dtype for t in tensors],
+            self._native_allreduce(op, native_engine.static_shapes(tensors), timeout),
         )
         for out, t in zip(outs, tensors):
             out.set_shape(t.shape)
@@ -264,7 +318,17 @@ class OrderedComm:
         def allgatherv(token: int, *arrays: np.ndarray) -> list[np.ndarray]:
             return collectives.allgather(arrays, timeout, token)
 
-        outs = self._ordered_call("MPIAllgather", allgatherv, tensors, [x.dtype for x in tensors])
+        native = self._native
+        compiled = None
+        if (
+            native is not None
+            and timeout is None
+            and all(x.shape.rank is not None and x.shape[1:].is_fully_defined() for x in tensors)
+        ):
+            compiled = lambda token, ins: native.allgather(token, ins)  # noqa: E731
+        outs = self._ordered_call(
+            "MPIAllgather", allgatherv, tensors, [x.dtype for x in tensors], compiled
+        )
         for out, x in zip(outs, tensors):
             out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         return outs
@@ -301,7 +365,11 @@ class OrderedComm:
         def bcast(token: int, array: np.ndarray) -> list[np.ndarray]:
             return [collectives.broadcast(array, root, timeout, token)]
 
-        (out,) = self._ordered_call("MPIBroadcast", bcast, [x], [x.dtype])
+        native = self._native
+        compiled = None
+        if native is not None and timeout is None and x.shape.is_fully_defined():
+            compiled = lambda token, tensors: native.broadcast(token, tensors[0], root)  # noqa: E731
+        (out,) = self._ordered_call("MPIBroadcast", bcast, [x], [x.dtype], compiled)
         out.set_shape(x.shape)
         return out
 

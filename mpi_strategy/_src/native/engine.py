@@ -1,0 +1,252 @@
+"""The native engine: allreduce and broadcast as compiled TensorFlow kernels.
+
+``MPI_STRATEGY_KERNELS`` chooses: ``native`` (build them or raise), ``python``
+(the numpy engine, ``core/collectives.py``), or unset / ``auto``: native when
+they build here, else Python, with one line on rank 0 saying why. The two
+engines send the same bytes in the same MPI calls and compute the same
+results bit for bit, so ranks on different engines still meet correctly.
+
+A kernel runs without Python: the static part of its agreement record is an
+attribute fixed when tracing, the dynamic part (collective number, ordering
+token, the partial meeting this rank is in) lives in the rendezvous's
+``state`` array, which the kernel reads and writes through its address. Python
+runs only on the error path (``_resolve``), where it writes the messages and
+chooses the error classes of the Python engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import itertools
+import os
+import sys
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import mpi4py.MPI
+import numpy as np
+import tensorflow as tf
+from mpi4py import MPI
+
+from mpi_strategy._src.core import rendezvous as rendezvous_lib, ulfm
+from mpi_strategy._src.core.collectives import REDUCTIONS, Collectives
+from mpi_strategy._src.core.errors import MPIStrategyError
+from mpi_strategy._src.core.rendezvous import NativeState, Shape, as_int64
+from mpi_strategy._src.native import build
+
+KERNELS_ENV = "MPI_STRATEGY_KERNELS"
+_OPS = ("sum", "min", "max", "product")  # the kernels' op numbers
+_DISAGREEMENT, _MPI_ERROR, _BLOCKED = 1, 2, 3  # events (kernels.cc)
+_UNKNOWN = 2  # TF_Code of an exception that is not a tf.errors class
+
+_COMMS: dict[int, weakref.ref[Collectives]] = {}
+_STATES: list[np.ndarray] = []  # kept: a traced function may outlive its communicator
+_SITES: dict[tuple[tuple[int, ...], ...], int] = {}
+_SHAPES: list[tuple[tuple[int, ...], ...]] = []
+_ERRORS: dict[int, BaseException] = {}  # the Python exception behind a kernel's error
+_ids = itertools.count(1)
+
+
+class Kernels:
+    """The loaded library: its ops and the link to mpi4py's MPI."""
+
+    def __init__(self) -> None:
+        path = build.library()
+        self.path = path
+        self.ops = tf.load_op_library(str(path))
+        init = ctypes.CDLL(str(path)).mpi_strategy_native_init
+        init.argtypes = [ctypes.c_char_p, ctypes.c_ssize_t, ctypes.c_ssize_t, _Resolve]
+        missing = init(
+            mpi4py.MPI.__file__.encode(),
+            int(MPI.IN_PLACE),
+            as_int64(MPI.BYTE.handle),
+            _resolve_callback,
+        )
+        if missing:
+            raise build.BuildError(
+                f"the MPI library mpi4py loaded ({mpi4py.MPI.__file__}) was not found "
+                f"or lacks a function (code {missing})"
+            )
+
+
+@functools.cache
+def kernels() -> Kernels | None:
+    """The native kernels when they are in use (built at the first call), else None."""
+    mode = os.environ.get(KERNELS_ENV, "auto").lower() or "auto"
+    if mode not in ("native", "python", "auto"):
+        raise MPIStrategyError(
+            f"mpi_strategy: {KERNELS_ENV}={mode!r}: use 'native', 'python' or 'auto' (the default)."
+        )
+    if mode == "python":
+        return None
+    try:
+        return Kernels()
+    except (build.BuildError, tf.errors.NotFoundError, OSError) as error:
+        if mode == "native":
+            raise MPIStrategyError(
+                f"mpi_strategy: {KERNELS_ENV}=native, but the native kernels are unavailable "
+                f"on rank {MPI.COMM_WORLD.Get_rank()}: {error}"
+            ) from error
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(
+                f"mpi_strategy: using the Python collectives (the native kernels are "
+                f"unavailable: {error}); install a C++ compiler for the faster ones, or set "
+                f"{KERNELS_ENV}=python to silence this.",
+                file=sys.stderr,
+            )
+        return None
+
+
+def active() -> str:
+    """Which engine runs the collectives: "native" or "python"."""
+    return "native" if kernels() is not None else "python"
+
+
+class NativeComm:
+    """The native collectives of one ``Collectives`` (a communicator)."""
+
+    def __init__(self, kernels: Kernels, collectives: Collectives) -> None:
+        self._ops = kernels.ops
+        self.id = next(_ids)
+        _COMMS[self.id] = weakref.ref(collectives)
+        state = collectives.rendezvous.state
+        state[NativeState.ENGINE] = self.id
+        _STATES.append(state)
+        weakref.finalize(collectives, state.__setitem__, NativeState.BLOCKED, 1)
+        self._state = state.ctypes.data
+
+    @tf.autograph.experimental.do_not_convert
+    def allreduce(
+        self,
+        token: tf.Tensor,
+        tensors: Sequence[tf.Tensor],
+        op: str,
+        shapes: Sequence[Shape],
+    ) -> list[tf.Tensor]:
+        """[next token, *reduced tensors]: ``Collectives.allreduce`` in one kernel.
+        ``shapes``: what the agreement compares (static)."""
+        kind, mpi_op, _ = REDUCTIONS[op]
+        dtype = tensors[0].dtype.as_numpy_dtype
+        next_token, outputs = self._ops.mpi_strategy_allreduce(
+            name="MPIAllreduce",
+            token=token,
+            inputs=list(tensors),
+            op=_OPS.index(op),
+            mpi_op=as_int64(mpi_op.handle),
+            mpi_dtype=as_int64(MPI.Datatype.fromcode(np.dtype(dtype).char).handle),
+            **self._site(kind, shapes, dtype),
+        )
+        return [next_token, *outputs]
+
+    @tf.autograph.experimental.do_not_convert
+    def broadcast(self, token: tf.Tensor, tensor: tf.Tensor, root: int) -> list[tf.Tensor]:
+        """[next token, ``tensor`` as on ``root``]: ``Collectives.broadcast`` in one kernel."""
+        shapes = [tuple(tensor.shape)]
+        return self._ops.mpi_strategy_broadcast(  # (next token, output)
+            name="MPIBroadcast",
+            token=token,
+            input=tensor,
+            root=root,
+            **self._site(
+                rendezvous_lib.BROADCAST, shapes, tensor.dtype.as_numpy_dtype, f"root {root}"
+            ),
+        )
+
+    @tf.autograph.experimental.do_not_convert
+    def allgather(self, token: tf.Tensor, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """[next token, *gathered tensors]: ``Collectives.allgather`` in one
+        kernel (the tensors' shapes beyond axis 0 known when tracing)."""
+        row_shapes = [tuple(t.shape[1:]) for t in tensors]
+        dtypes = [t.dtype.as_numpy_dtype for t in tensors]
+        next_token, outputs = self._ops.mpi_strategy_allgather(
+            name="MPIAllgather",
+            token=token,
+            inputs=list(tensors),
+            **self._site(rendezvous_lib.ALLGATHER, row_shapes, dtypes),
+        )
+        return [next_token, *outputs]
+
+    def _site(
+        self, kind: rendezvous_lib.Kind, shapes: Sequence[Shape], dtype: Any, tag: str = ""
+    ) -> dict[str, int]:
+        dtypes = [np.dtype(d) for d in (dtype if isinstance(dtype, list) else [dtype])]
+        code, count, layout = rendezvous_lib.layout(shapes, dtypes, tag)
+        return {
+            "state": self._state,
+            "site": _site_id(shapes),
+            "kind": kind.code,
+            "dtype_code": code,
+            "count": count,
+            "tensors": len(shapes),
+            "layout": layout,
+        }
+
+    def take_error(self) -> BaseException | None:
+        """The Python exception behind this communicator's last kernel error (once)."""
+        return _ERRORS.pop(self.id, None)
+
+
+def static_shapes(tensors: Sequence[tf.Tensor]) -> list[tuple[int, ...]] | None:
+    """The tensors' shapes when all are known when tracing, else None."""
+    if not all(t.shape.is_fully_defined() for t in tensors):
+        return None
+    return [tuple(t.shape) for t in tensors]
+
+
+def _site_id(shapes: Sequence[Shape]) -> int:
+    key = tuple(tuple(int(d) for d in shape) for shape in shapes)
+    if key not in _SITES:
+        _SITES[key] = len(_SHAPES)
+        _SHAPES.append(key)
+    return _SITES[key]
+
+
+def _resolve(
+    engine: int, event: int, site: int, received: int, value: int, message: int, capacity: int
+) -> int:
+    """A kernel's error path (kernels.cc ``AskPython``): 0 to go on, else a
+    TF_Code, with the message written to ``message``."""
+    try:
+        collectives = _COMMS[engine]()
+        if collectives is None:
+            raise MPIStrategyError("mpi_strategy: a collective ran on a freed communicator.")
+        if event == _BLOCKED:
+            collectives.guarded(lambda: None)()
+        elif event == _MPI_ERROR:
+            error = MPI.Exception(value)
+            if ulfm.is_process_failure(error):
+                raise collectives.ranks_lost(error) from error
+            raise error
+        else:
+            size, width = collectives.size, record_width(collectives)
+            records = np.ctypeslib.as_array(
+                (ctypes.c_uint8 * (size * width)).from_address(received)
+            ).reshape(size, width)
+            collectives.rendezvous.settle_compiled(records, _SHAPES[site])
+        return 0
+    except BaseException as error:  # noqa: BLE001 (every error becomes the kernel's)
+        _ERRORS[engine] = error
+        text = f"{type(error).__name__}: {error}".encode()[: capacity - 1]
+        ctypes.memmove(message, text, len(text))
+        ctypes.memset(message + len(text), 0, 1)
+        code = getattr(error, "error_code", None)
+        return code if isinstance(code, int) and code else _UNKNOWN
+
+
+def record_width(collectives: Collectives) -> int:
+    return int(collectives.rendezvous.state[NativeState.RECORD_BYTES])
+
+
+_Resolve = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+)
+_resolve_callback = _Resolve(_resolve)

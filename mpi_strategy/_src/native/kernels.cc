@@ -1,0 +1,517 @@
+// mpi_strategy's native collectives: TensorFlow kernels written against TF's
+// stable C API (tensorflow/c/kernels.h, ops.h), never its C++ framework
+// headers, so one source builds against every TensorFlow release since 2.16.
+//
+// Each kernel does in C what core/collectives.py does in Python, byte for
+// byte: the same agreement record (core/rendezvous.py: a signature of 10
+// int64 fields, then carried data), the same non-blocking Allgather of it,
+// the same MPI call for the data, the same order of operations when small
+// data is reduced from the records. A rank on this path and a rank on the
+// Python path therefore meet in the same collectives and compute the same
+// bits. Python runs only when tracing (the static parts of the signature
+// become attributes) and on the error path: a disagreement, an MPI error or a
+// retired communicator calls back into Python (ctypes), which writes the same
+// messages and chooses the same error classes as the Python path.
+//
+// MPI is not linked: the kernel finds MPI's functions through the library
+// mpi4py loaded (dlopen RTLD_NOLOAD + dlsym), and takes every handle
+// (communicators, datatypes, ops, MPI_IN_PLACE) from mpi4py as an integer.
+// MPICH's handles are ints and Open MPI's are pointers; both travel here as
+// intptr_t, which the C calling conventions of x86-64 and aarch64 pass in the
+// same registers (an int callee reads the low half). One build therefore
+// serves every MPI mpi4py can load.
+//
+// GPU: a device-memory variant would register the same ops for DEVICE_GPU
+// and pass device pointers to a CUDA-aware MPI (see docs/concepts.md).
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "tensorflow/c/kernels.h"
+#include "tensorflow/c/ops.h"
+#include "tensorflow/c/tf_datatype.h"
+#include "tensorflow/c/tf_status.h"
+#include "tensorflow/c/tf_tensor.h"
+
+namespace {
+
+using Handle = intptr_t;
+
+// The MPI functions used, typed with intptr_t handles (see above).
+struct Mpi {
+  int (*Iallgather)(const void*, int, Handle, void*, int, Handle, Handle, Handle*) = nullptr;
+  int (*Wait)(Handle*, void*) = nullptr;
+  int (*Allreduce)(const void*, void*, int, Handle, Handle, Handle) = nullptr;
+  int (*Bcast)(void*, int, Handle, int, Handle) = nullptr;
+  int (*Allgatherv)(const void*, int, Handle, void*, const int*, const int*, Handle,
+                    Handle) = nullptr;
+  Handle in_place = 0;
+  Handle byte = 0;
+};
+Mpi mpi;
+
+// Python's answer on the error path: returns a TF_Code (0: go on, the
+// records in `received` are the agreed ones) and writes the message.
+using Resolve = int (*)(int64_t engine, int64_t event, int64_t site, void* received,
+                        int64_t value, char* message, int64_t capacity);
+Resolve resolve = nullptr;
+
+enum Event : int64_t { kDisagreement = 1, kMpiError = 2, kBlocked = 3 };
+
+// The per-communicator state, shared with Python (core/rendezvous.py
+// NATIVE_STATE: an int64 array Python owns); the ordering token serializes
+// every collective of a communicator, so one kernel at a time touches it.
+struct State {
+  int64_t seq, token, solo, blocked, agree_comm, data_comm, record_bytes, rank, size,
+      engine, carry_bytes;
+};
+
+// The signature fields (core/rendezvous.py).
+enum Field { kSeq, kKind, kDtype, kCount, kTensors, kLayout, kSolo, kToken, kRows, kBytes };
+constexpr int kSignatureBytes = 8 * 10;
+
+// What a kernel knows from tracing.
+struct Site {
+  State* state = nullptr;
+  int64_t site = 0, kind = 0, dtype_code = 0, count = 0, tensors = 0, layout = 0, root = 0;
+  int64_t op = 0;  // 0 sum, 1 min, 2 max, 3 product
+  Handle mpi_dtype = 0, mpi_op = 0;
+  std::vector<uint8_t> record, received, scratch;
+};
+
+int64_t Attr(TF_OpKernelConstruction* ctx, const char* name, TF_Status* status) {
+  int64_t value = 0;
+  TF_OpKernelConstruction_GetAttrInt64(ctx, name, &value, status);
+  return value;
+}
+
+void* Create(TF_OpKernelConstruction* ctx) {
+  TF_Status* status = TF_NewStatus();
+  auto* site = new Site;
+  site->state = reinterpret_cast<State*>(Attr(ctx, "state", status));
+  site->site = Attr(ctx, "site", status);
+  site->kind = Attr(ctx, "kind", status);
+  site->dtype_code = Attr(ctx, "dtype_code", status);
+  site->count = Attr(ctx, "count", status);
+  site->tensors = Attr(ctx, "tensors", status);
+  site->layout = Attr(ctx, "layout", status);
+  site->root = Attr(ctx, "root", status);
+  site->op = Attr(ctx, "op", status);
+  site->mpi_dtype = static_cast<Handle>(Attr(ctx, "mpi_dtype", status));
+  site->mpi_op = static_cast<Handle>(Attr(ctx, "mpi_op", status));
+  if (TF_GetCode(status) != TF_OK) TF_OpKernelConstruction_Failure(ctx, status);
+  TF_DeleteStatus(status);
+  return site;
+}
+
+void Delete(void* site) { delete static_cast<Site*>(site); }
+
+// Asks Python; false (and the error set on the context) unless it says go on.
+bool AskPython(TF_OpKernelContext* ctx, const Site& site, Event event, int64_t value) {
+  std::string message(4096, '\0');
+  int code = resolve(site.state->engine, event, site.site,
+                     const_cast<uint8_t*>(site.received.data()), value, message.data(),
+                     static_cast<int64_t>(message.size()));
+  if (code == TF_OK) return true;
+  message.resize(strnlen(message.c_str(), message.size()));
+  TF_Status* status = TF_NewStatus();
+  TF_SetStatus(status, static_cast<TF_Code>(code), message.c_str());
+  TF_OpKernelContext_Failure(ctx, status);
+  TF_DeleteStatus(status);
+  return false;
+}
+
+bool MpiOk(TF_OpKernelContext* ctx, const Site& site, int rc) {
+  return rc == 0 || AskPython(ctx, site, kMpiError, rc);
+}
+
+const int64_t* Signature(const Site& site, int64_t rank) {
+  return reinterpret_cast<const int64_t*>(site.received.data() +
+                                          rank * site.state->record_bytes);
+}
+
+// The agreement (Rendezvous.agree_carrying): returns false on error (set on
+// the context); `carried` is true when every rank's data is in the records.
+bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
+           int64_t nbytes, bool* carried, int64_t rows = 0) {
+  State& state = *site.state;
+  if (state.blocked && !AskPython(ctx, site, kBlocked, 0)) return false;
+  const int64_t size = state.size, record_bytes = state.record_bytes;
+  site.record.assign(record_bytes, 0);
+  site.received.resize(size * record_bytes);
+  state.seq += 1;
+  const int64_t step = token - state.token;
+  state.token = token;
+  int64_t signature[10] = {state.seq, site.kind, site.dtype_code, site.count, site.tensors,
+                           site.layout, state.solo, step, rows, nbytes};
+  std::memcpy(site.record.data(), signature, kSignatureBytes);
+  if (nbytes <= state.carry_bytes && nbytes > 0) {
+    std::memcpy(site.record.data() + kSignatureBytes, data, nbytes);
+  }
+  Handle request = 0;
+  alignas(16) unsigned char status[64];
+  int rc = mpi.Iallgather(site.record.data(), static_cast<int>(record_bytes), mpi.byte,
+                          site.received.data(), static_cast<int>(record_bytes), mpi.byte,
+                          static_cast<Handle>(state.agree_comm), &request);
+  if (rc == 0) rc = mpi.Wait(&request, status);
+  if (!MpiOk(ctx, site, rc)) return false;
+  const int64_t* first = Signature(site, 0);
+  bool differ = false;
+  for (int64_t r = 1; r < size && !differ; ++r) {
+    differ = std::memcmp(Signature(site, r) + kKind, first + kKind, 8 * (kToken - kKind + 1));
+  }
+  // Python settles a disagreement: it raises, or (a save some ranks are in)
+  // meets again until this collective agrees, leaving the records here.
+  if (differ && !AskPython(ctx, site, kDisagreement, 0)) return false;
+  *carried = true;
+  for (int64_t r = 0; r < size; ++r) *carried &= Signature(site, r)[kBytes] <= state.carry_bytes;
+  return true;
+}
+
+const uint8_t* CarriedData(const Site& site, int64_t rank) {
+  return site.received.data() + rank * site.state->record_bytes + kSignatureBytes;
+}
+
+// numpy's ufuncs, element by element, in rank order (as collectives.py).
+template <typename T>
+T Combine(int64_t op, T a, T b) {
+  switch (op) {
+    case 1:
+      if constexpr (std::is_floating_point_v<T>) return (a <= b || std::isnan(a)) ? a : b;
+      return a <= b ? a : b;
+    case 2:
+      if constexpr (std::is_floating_point_v<T>) return (a >= b || std::isnan(a)) ? a : b;
+      return a >= b ? a : b;
+    case 3:
+      return static_cast<T>(a * b);
+    default:
+      return static_cast<T>(a + b);
+  }
+}
+
+template <typename T>
+void ReduceRows(const Site& site, void* buffer, int64_t nbytes) {
+  T* out = static_cast<T*>(buffer);
+  const int64_t n = nbytes / static_cast<int64_t>(sizeof(T));
+  std::memcpy(out, CarriedData(site, 0), nbytes);
+  for (int64_t r = 1; r < site.state->size; ++r) {
+    const uint8_t* row = CarriedData(site, r);
+    for (int64_t i = 0; i < n; ++i) {
+      T value;
+      std::memcpy(&value, row + i * sizeof(T), sizeof(T));
+      out[i] = Combine<T>(site.op, out[i], value);
+    }
+  }
+}
+
+void ReduceCarried(const Site& site, TF_DataType dtype, void* buffer, int64_t nbytes) {
+  switch (dtype) {
+    case TF_FLOAT: return ReduceRows<float>(site, buffer, nbytes);
+    case TF_DOUBLE: return ReduceRows<double>(site, buffer, nbytes);
+    case TF_INT32: return ReduceRows<int32_t>(site, buffer, nbytes);
+    case TF_INT64: return ReduceRows<int64_t>(site, buffer, nbytes);
+    case TF_INT8: return ReduceRows<int8_t>(site, buffer, nbytes);
+    case TF_UINT8: return ReduceRows<uint8_t>(site, buffer, nbytes);
+    case TF_INT16: return ReduceRows<int16_t>(site, buffer, nbytes);
+    case TF_UINT16: return ReduceRows<uint16_t>(site, buffer, nbytes);
+    case TF_UINT32: return ReduceRows<uint32_t>(site, buffer, nbytes);
+    case TF_UINT64: return ReduceRows<uint64_t>(site, buffer, nbytes);
+    default: return;  // (the binding sends only these)
+  }
+}
+
+bool Fail(TF_OpKernelContext* ctx, TF_Status* status) {
+  if (TF_GetCode(status) == TF_OK) return false;
+  TF_OpKernelContext_Failure(ctx, status);
+  return true;
+}
+
+std::vector<int64_t> Dims(const TF_Tensor* tensor) {
+  std::vector<int64_t> dims(TF_NumDims(tensor));
+  for (size_t d = 0; d < dims.size(); ++d) dims[d] = TF_Dim(tensor, static_cast<int>(d));
+  return dims;
+}
+
+// Input 0 is the ordering token; output 0 is the token plus one.
+bool SetToken(TF_OpKernelContext* ctx, TF_Status* status) {
+  TF_Tensor* token = nullptr;
+  TF_GetInput(ctx, 0, &token, status);
+  if (Fail(ctx, status)) return false;
+  TF_Tensor* next = TF_AllocateOutput(ctx, 0, TF_INT64, nullptr, 0, 8, status);
+  if (!Fail(ctx, status)) {
+    *static_cast<int64_t*>(TF_TensorData(next)) = *static_cast<int64_t*>(TF_TensorData(token)) + 1;
+  }
+  TF_DeleteTensor(token);
+  TF_DeleteTensor(next);
+  return TF_GetCode(status) == TF_OK;
+}
+
+int64_t ReadToken(TF_OpKernelContext* ctx, TF_Status* status) {
+  TF_Tensor* token = nullptr;
+  TF_GetInput(ctx, 0, &token, status);
+  if (Fail(ctx, status)) return 0;
+  const int64_t value = *static_cast<int64_t*>(TF_TensorData(token));
+  TF_DeleteTensor(token);
+  return value;
+}
+
+// Output `index` holding input `index` (forwarded when TensorFlow allows).
+TF_Tensor* OutputLike(TF_OpKernelContext* ctx, int index, TF_Status* status) {
+  TF_Tensor* input = nullptr;
+  TF_GetInput(ctx, index, &input, status);
+  if (Fail(ctx, status)) return nullptr;
+  std::vector<int64_t> dims = Dims(input);
+  int forwarded = -1;
+  TF_Tensor* output = TF_ForwardInputOrAllocateOutput(
+      ctx, &index, 1, index, dims.data(), static_cast<int>(dims.size()), &forwarded, status);
+  if (!Fail(ctx, status) && forwarded < 0 && TF_TensorByteSize(input) > 0) {
+    std::memcpy(TF_TensorData(output), TF_TensorData(input), TF_TensorByteSize(input));
+  }
+  TF_DeleteTensor(input);
+  return output;
+}
+
+// Allreduce: inputs (token, x_1..x_N of one dtype), outputs (token + 1, the
+// reductions). One tensor is reduced in its own (forwarded) buffer; several
+// are packed into one scratch buffer and reduced by one MPI call.
+void AllreduceCompute(void* kernel, TF_OpKernelContext* ctx) {
+  Site& site = *static_cast<Site*>(kernel);
+  TF_Status* status = TF_NewStatus();
+  const int n = TF_NumInputs(ctx) - 1;
+  const int64_t token = ReadToken(ctx, status);
+  std::vector<TF_Tensor*> outputs;
+  for (int i = 1; i <= n && TF_GetCode(status) == TF_OK; ++i) {
+    outputs.push_back(OutputLike(ctx, i, status));
+  }
+  if (TF_GetCode(status) == TF_OK) {
+    const TF_DataType dtype = TF_TensorType(outputs[0]);
+    // As core/buffers.py packs: each tensor starts 64-byte aligned after the
+    // previous one, the gaps zero; the buffer ends with the last tensor.
+    const int64_t align = std::max<int64_t>(64, TF_DataTypeSize(dtype));
+    std::vector<int64_t> starts;
+    int64_t nbytes = 0;
+    for (TF_Tensor* out : outputs) {
+      nbytes = (nbytes + align - 1) / align * align;
+      starts.push_back(nbytes);
+      nbytes += TF_TensorByteSize(out);
+    }
+    void* buffer = TF_TensorData(outputs[0]);
+    if (n > 1) {
+      site.scratch.assign(nbytes, 0);
+      for (int i = 0; i < n; ++i) {
+        std::memcpy(site.scratch.data() + starts[i], TF_TensorData(outputs[i]),
+                    TF_TensorByteSize(outputs[i]));
+      }
+      buffer = site.scratch.data();
+    }
+    bool carried = false;
+    bool ok = Agree(ctx, site, token, buffer, nbytes, &carried);
+    if (ok && carried) {
+      ReduceCarried(site, dtype, buffer, nbytes);
+    } else if (ok) {
+      const int64_t elements = nbytes / TF_DataTypeSize(dtype);
+      ok = MpiOk(ctx, site,
+                 mpi.Allreduce(reinterpret_cast<void*>(mpi.in_place), buffer,
+                               static_cast<int>(elements), site.mpi_dtype, site.mpi_op,
+                               static_cast<Handle>(site.state->data_comm)));
+    }
+    for (int i = 0; ok && n > 1 && i < n; ++i) {
+      std::memcpy(TF_TensorData(outputs[i]), site.scratch.data() + starts[i],
+                  TF_TensorByteSize(outputs[i]));
+    }
+    if (ok) SetToken(ctx, status);
+  }
+  for (TF_Tensor* out : outputs) TF_DeleteTensor(out);
+  TF_DeleteStatus(status);
+}
+
+// Broadcast: inputs (token, x), outputs (token + 1, x as on rank `root`).
+void BroadcastCompute(void* kernel, TF_OpKernelContext* ctx) {
+  Site& site = *static_cast<Site*>(kernel);
+  TF_Status* status = TF_NewStatus();
+  const int64_t token = ReadToken(ctx, status);
+  TF_Tensor* out = TF_GetCode(status) == TF_OK ? OutputLike(ctx, 1, status) : nullptr;
+  if (TF_GetCode(status) == TF_OK) {
+    void* buffer = TF_TensorData(out);
+    const int64_t nbytes = TF_TensorByteSize(out);
+    bool carried = false;
+    bool ok = Agree(ctx, site, token, buffer, nbytes, &carried);
+    if (ok && carried) {
+      if (nbytes > 0) std::memcpy(buffer, CarriedData(site, site.root), nbytes);
+    } else if (ok) {
+      ok = MpiOk(ctx, site,
+                 mpi.Bcast(buffer, static_cast<int>(nbytes), mpi.byte,
+                           static_cast<int>(site.root),
+                           static_cast<Handle>(site.state->data_comm)));
+    }
+    if (ok) SetToken(ctx, status);
+  }
+  if (out != nullptr) TF_DeleteTensor(out);
+  TF_DeleteStatus(status);
+}
+
+int64_t Padded(int64_t nbytes) { return (nbytes + 7) / 8 * 8; }  // (core/wire.py)
+
+// Allgather: inputs (token, x_1..x_N, any dtypes), outputs (token + 1, each
+// x_i concatenated along axis 0 over the ranks, in rank order; rows may
+// differ per rank). Each rank sends its row counts, then every tensor's
+// bytes, each piece padded to 8 bytes (core/wire.py concat_bytes).
+void AllgatherCompute(void* kernel, TF_OpKernelContext* ctx) {
+  Site& site = *static_cast<Site*>(kernel);
+  TF_Status* status = TF_NewStatus();
+  const int n = TF_NumInputs(ctx) - 1;
+  const int64_t token = ReadToken(ctx, status);
+  std::vector<TF_Tensor*> inputs;
+  for (int i = 1; i <= n && TF_GetCode(status) == TF_OK; ++i) {
+    TF_Tensor* input = nullptr;
+    TF_GetInput(ctx, i, &input, status);
+    if (!Fail(ctx, status)) inputs.push_back(input);
+  }
+  if (TF_GetCode(status) == TF_OK) {
+    std::vector<int64_t> rows(n), row_bytes(n);
+    int64_t nbytes = 8 * n, total_rows = 0;
+    for (int i = 0; i < n; ++i) {
+      rows[i] = TF_NumDims(inputs[i]) ? TF_Dim(inputs[i], 0) : 1;
+      int64_t row = TF_DataTypeSize(TF_TensorType(inputs[i]));
+      for (int d = 1; d < TF_NumDims(inputs[i]); ++d) row *= TF_Dim(inputs[i], d);
+      row_bytes[i] = row;
+      nbytes += Padded(rows[i] * row);
+      total_rows += rows[i];
+    }
+    std::vector<uint8_t>& mine = site.scratch;
+    mine.assign(nbytes, 0);
+    std::memcpy(mine.data(), rows.data(), 8 * n);
+    int64_t at = 8 * n;
+    for (int i = 0; i < n; ++i) {
+      if (rows[i] * row_bytes[i] > 0) {
+        std::memcpy(mine.data() + at, TF_TensorData(inputs[i]), rows[i] * row_bytes[i]);
+      }
+      at += Padded(rows[i] * row_bytes[i]);
+    }
+    bool carried = false;
+    bool ok = Agree(ctx, site, token, mine.data(), nbytes, &carried, total_rows);
+    const int64_t size = site.state->size;
+    std::vector<int> counts(size), starts(size);
+    int64_t received_bytes = 0;
+    for (int64_t r = 0; ok && r < size; ++r) {
+      counts[r] = static_cast<int>(Signature(site, r)[kBytes]);
+      starts[r] = static_cast<int>(received_bytes);
+      received_bytes += counts[r];
+    }
+    std::vector<uint8_t> everyone;
+    const uint8_t* received = nullptr;
+    if (ok && carried) {
+      everyone.resize(received_bytes);
+      for (int64_t r = 0; r < size; ++r) {
+        std::memcpy(everyone.data() + starts[r], CarriedData(site, r), counts[r]);
+      }
+    } else if (ok) {
+      everyone.resize(received_bytes);
+      ok = MpiOk(ctx, site,
+                 mpi.Allgatherv(mine.data(), static_cast<int>(nbytes), mpi.byte, everyone.data(),
+                                counts.data(), starts.data(), mpi.byte,
+                                static_cast<Handle>(site.state->data_comm)));
+    }
+    received = everyone.data();
+    for (int i = 0; ok && i < n; ++i) {
+      // Output i: every rank's rows of tensor i, in rank order.
+      int64_t out_rows = 0;
+      for (int64_t r = 0; r < size; ++r) {
+        out_rows += reinterpret_cast<const int64_t*>(received + starts[r])[i];
+      }
+      std::vector<int64_t> dims = Dims(inputs[i]);
+      if (dims.empty()) dims.push_back(1);
+      dims[0] = out_rows;
+      TF_Tensor* out = TF_AllocateOutput(ctx, i + 1, TF_TensorType(inputs[i]), dims.data(),
+                                         static_cast<int>(dims.size()), out_rows * row_bytes[i],
+                                         status);
+      if (Fail(ctx, status)) break;
+      int64_t done = 0;
+      for (int64_t r = 0; r < size; ++r) {
+        const int64_t* their_rows = reinterpret_cast<const int64_t*>(received + starts[r]);
+        int64_t offset = starts[r] + 8 * n;
+        for (int j = 0; j < i; ++j) offset += Padded(their_rows[j] * row_bytes[j]);
+        const int64_t piece = their_rows[i] * row_bytes[i];
+        if (piece > 0) {
+          std::memcpy(static_cast<uint8_t*>(TF_TensorData(out)) + done, received + offset, piece);
+        }
+        done += piece;
+      }
+      TF_DeleteTensor(out);
+    }
+    if (ok && TF_GetCode(status) == TF_OK) SetToken(ctx, status);
+  }
+  for (TF_Tensor* input : inputs) TF_DeleteTensor(input);
+  TF_DeleteStatus(status);
+}
+
+void UnknownShapes(TF_ShapeInferenceContext* ctx, TF_Status* status) {
+  TF_ShapeInferenceContextSetUnknownShape(ctx, status);
+}
+
+const char* kIntAttrs[] = {"state: int", "site: int", "kind: int", "dtype_code: int",
+                           "count: int", "tensors: int", "layout: int", "root: int = 0",
+                           "op: int = 0", "mpi_dtype: int = 0", "mpi_op: int = 0"};
+
+// `types`: "T: type" (one dtype) plus "N: int" when `listed`, or "T: list(type)".
+void RegisterOp(const char* name, const char* input, const char* output, bool listed,
+                void (*compute)(void*, TF_OpKernelContext*), const char* types = "T: type") {
+  TF_Status* status = TF_NewStatus();
+  TF_OpDefinitionBuilder* op = TF_NewOpDefinitionBuilder(name);
+  TF_OpDefinitionBuilderAddInput(op, "token: int64");
+  TF_OpDefinitionBuilderAddInput(op, input);
+  TF_OpDefinitionBuilderAddOutput(op, "next_token: int64");
+  TF_OpDefinitionBuilderAddOutput(op, output);
+  TF_OpDefinitionBuilderAddAttr(op, types);
+  if (listed) TF_OpDefinitionBuilderAddAttr(op, "N: int >= 1");
+  for (const char* attr : kIntAttrs) TF_OpDefinitionBuilderAddAttr(op, attr);
+  TF_OpDefinitionBuilderSetIsStateful(op, true);
+  TF_OpDefinitionBuilderSetShapeInferenceFunction(op, &UnknownShapes);
+  TF_RegisterOpDefinition(op, status);
+  TF_KernelBuilder* kernel = TF_NewKernelBuilder(name, "CPU", &Create, compute, &Delete);
+  TF_RegisterKernelBuilder(name, kernel, status);
+  TF_DeleteStatus(status);
+}
+
+struct Registration {
+  Registration() {
+    RegisterOp("MpiStrategyAllreduce", "inputs: N * T", "outputs: N * T", true,
+               &AllreduceCompute);
+    RegisterOp("MpiStrategyBroadcast", "input: T", "output: T", false, &BroadcastCompute);
+    RegisterOp("MpiStrategyAllgather", "inputs: T", "outputs: T", false, &AllgatherCompute,
+               "T: list(type)");
+  }
+} registration;
+
+}  // namespace
+
+// Called once from Python (ctypes) before any kernel runs: where MPI is, the
+// handles that differ between MPI libraries, and the way back to Python.
+// Returns 0, or the number of the MPI function not found.
+extern "C" int mpi_strategy_native_init(const char* mpi4py_library, intptr_t in_place,
+                                        intptr_t byte, Resolve callback) {
+  void* library = dlopen(mpi4py_library, RTLD_NOLOAD | RTLD_LAZY);
+  if (library == nullptr) return -1;
+  mpi.Iallgather = reinterpret_cast<decltype(mpi.Iallgather)>(dlsym(library, "MPI_Iallgather"));
+  mpi.Wait = reinterpret_cast<decltype(mpi.Wait)>(dlsym(library, "MPI_Wait"));
+  mpi.Allreduce = reinterpret_cast<decltype(mpi.Allreduce)>(dlsym(library, "MPI_Allreduce"));
+  mpi.Bcast = reinterpret_cast<decltype(mpi.Bcast)>(dlsym(library, "MPI_Bcast"));
+  mpi.Allgatherv = reinterpret_cast<decltype(mpi.Allgatherv)>(dlsym(library, "MPI_Allgatherv"));
+  void* found[] = {reinterpret_cast<void*>(mpi.Iallgather), reinterpret_cast<void*>(mpi.Wait),
+                   reinterpret_cast<void*>(mpi.Allreduce), reinterpret_cast<void*>(mpi.Bcast),
+                   reinterpret_cast<void*>(mpi.Allgatherv)};
+  for (int i = 0; i < 5; ++i) {
+    if (found[i] == nullptr) return i + 1;
+  }
+  mpi.in_place = in_place;
+  mpi.byte = byte;
+  resolve = callback;
+  return 0;
+}
