@@ -212,6 +212,18 @@ def allgather_time(nbytes, p, alpha, beta):
 
 
 ENGINE_CORES = [1, 16, 20, 64, 80, 320, 1024, 4096]
+HASHED_ABOVE = 1024  # mpi_strategy's rendezvous.HASHED_ABOVE
+
+
+def agreement_time(p, alpha, beta, hashed=None):
+    """Seconds for the agreement before a collective: an allgather of
+    ``record_bytes(p)`` per rank, or above ``HASHED_ABOVE`` ranks (or with
+    ``hashed``) one allreduce of 16 bytes (recursive doubling: log2(p) rounds)."""
+    if p <= 1:
+        return 0.0
+    if hashed if hashed is not None else p > HASHED_ABOVE:
+        return math.ceil(math.log2(p)) * (alpha + 16 * beta)
+    return allgather_time(record_bytes(p), p, alpha, beta)
 
 
 def engine_projection(
@@ -219,9 +231,10 @@ def engine_projection(
 ):
     """Step time and speedup per engine: each collective costs its engine's
     fixed cost (``fixed_s``: {engine: seconds beyond MPI}, measured) and the
-    agreement (an allgather of ``record_bytes(p)`` per rank) on top of the
-    model's allreduce; ``collectives`` per step (the fused gradients and the
-    loss). Rows also give the agreement's share of the step."""
+    agreement (``agreement_time``) on top of the model's allreduce;
+    ``collectives`` per step (the fused gradients and the loss). Rows also
+    give the agreement's share of the step, and what it would be if every
+    record were gathered at every size (``gathered_agreement_share``)."""
     networks = NETWORKS if networks is None else networks
     rows = []
     for name, w in workloads.items():
@@ -229,9 +242,9 @@ def engine_projection(
         for label, net in networks.items():
             for engine, fixed in fixed_s.items():
 
-                def at(p, fixed=fixed, net=net, nbytes=nbytes, w=w):
+                def at(p, hashed=None, fixed=fixed, net=net, nbytes=nbytes, w=w):
                     link = link_at(p, intra, net, cores_per_node)
-                    agreement = allgather_time(record_bytes(p), p, link["alpha"], link["beta"])
+                    agreement = agreement_time(p, link["alpha"], link["beta"], hashed)
                     reduce = allreduce_time(nbytes, p, link["alpha"], link["beta"])
                     fixed_p = fixed if p > 1 else 0.0
                     return w["compute_s"] + collectives * (fixed_p + agreement) + reduce, agreement
@@ -239,6 +252,7 @@ def engine_projection(
                 one, _ = at(1)
                 for p in ENGINE_CORES:
                     t, agreement = at(p)
+                    t_gathered, gathered = at(p, hashed=False)
                     rows.append(
                         {
                             "workload": name,
@@ -248,6 +262,7 @@ def engine_projection(
                             "step_ms": t * 1e3,
                             "speedup": p * one / t,
                             "agreement_share": collectives * agreement / t,
+                            "gathered_agreement_share": collectives * gathered / t_gathered,
                         }
                     )
     return rows
@@ -268,6 +283,9 @@ def engine_comparison(rows):
                 }
                 row[f"{engine}_speedup"] = by[cores]["speedup"] / by[base]["speedup"]
                 row[f"{engine}_agreement_share_at_4096"] = by[4096]["agreement_share"]
+                row[f"{engine}_gathered_agreement_share_at_4096"] = by[4096][
+                    "gathered_agreement_share"
+                ]
             out.append(row)
     return out
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from mpi_strategy._src.core import rendezvous
 from mpi_strategy._src.distribute.ops import OrderedComm
 from mpi_strategy._src.native import engine as native_engine
 from mpi_strategy.errors import CollectiveMismatchError
@@ -23,12 +24,31 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engines():
-    native = OrderedComm(WORLD)
-    if native._native is None:
+@pytest.fixture(scope="module", params=["gathered", "hashed"])
+def protocol(request):
+    """How the ranks agree: by gathering every rank's record, or (as above
+    rendezvous.HASHED_ABOVE ranks) by comparing a hash."""
+    return request.param
+
+
+def _ordered_comm(protocol):
+    hashed_above = rendezvous.HASHED_ABOVE
+    if protocol == "hashed":
+        rendezvous.HASHED_ABOVE = 0
+    try:
+        ordered = OrderedComm(WORLD)
+    finally:
+        rendezvous.HASHED_ABOVE = hashed_above
+    if ordered._native is None:
         pytest.skip("the native kernels are not in use (MPI_STRATEGY_KERNELS)")
-    return native, on_python_engine(OrderedComm(WORLD))
+    assert ordered.rendezvous.hashed == (protocol == "hashed")
+    return ordered
+
+
+@pytest.fixture(scope="module")
+def engines(protocol):
+    """(native, numpy) OrderedComms agreeing by ``protocol``."""
+    return _ordered_comm(protocol), on_python_engine(_ordered_comm(protocol))
 
 
 def _both(engines, fn, in_function):
@@ -104,11 +124,9 @@ def test_allgather_gives_the_same_bits_on_both_engines(engines, rows):
     assert native[0].shape == (rows * sum((r + 1) * (r != 1) for r in range(SIZE)), 3)
 
 
-def test_ranks_on_different_engines_meet_in_the_same_collectives():
+def test_ranks_on_different_engines_meet_in_the_same_collectives(protocol):
     # Odd ranks run the numpy engine, even ones the kernels: same bytes on the wire.
-    ordered = OrderedComm(WORLD)
-    if ordered._native is None:
-        pytest.skip("the native kernels are not in use (MPI_STRATEGY_KERNELS)")
+    ordered = _ordered_comm(protocol)
     if RANK % 2:
         on_python_engine(ordered)
 
@@ -154,8 +172,8 @@ def test_a_disagreement_raises_the_same_error_and_message_on_both_engines(engine
         np.testing.assert_array_equal(ordered.allreduce_sum(tf.ones([2])), [SIZE, SIZE])
 
 
-def test_a_retired_communicator_raises_its_error_from_the_kernels(engines):
-    native = OrderedComm(WORLD)
+def test_a_retired_communicator_raises_its_error_from_the_kernels(protocol):
+    native = _ordered_comm(protocol)
     native.collectives.retire(lambda: RuntimeError("this communicator was replaced"))
     with pytest.raises(RuntimeError, match="was replaced"):
         native.allreduce_sum(tf.ones([2]))
@@ -168,3 +186,17 @@ def test_a_retired_communicator_raises_its_error_from_the_kernels(engines):
 def test_the_engine_in_use_is_reported():
     assert native_engine.active() in ("native", "python")
     assert (OrderedComm(WORLD)._native is not None) == (native_engine.active() == "native")
+
+
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_a_save_on_one_rank_meets_a_collective_on_the_others(engines, engine):
+    # Rank 0 saves alone (a partial meeting: it goes on without the others),
+    # while the others already wait in an all-reduce, which rank 0 then joins.
+    from mpi_strategy._src.features.saving.write_point import WRITE
+
+    ordered = engines[["native", "python"].index(engine)]
+    if RANK == 0:
+        assert ordered.rendezvous.agree(WRITE, np.uint8, [], tag="alone") is None
+        assert ordered.rendezvous.solo_with == [0]
+    np.testing.assert_array_equal(ordered.allreduce_sum(tf.ones([3])), [SIZE] * 3)
+    np.testing.assert_array_equal(ordered.allgather(tf.fill([1], RANK)), np.arange(SIZE))

@@ -6,7 +6,9 @@ Beyond 32 ranks each rank's agreement record shrinks (``record_bytes``), so
 less data is carried; this runs the collectives there, oversubscribed: a
 carried and a sent reduction, an uneven all-gather, a broadcast, a mismatch
 (whose message names every rank), a constant that ranks assumed equal but
-is not (the ordering token), and the communicator still working after them.
+is not (the ordering token), and the communicator still working after them;
+then all of it again with the hashed agreement (which the library uses above
+``rendezvous.HASHED_ABOVE`` ranks; here forced).
 Only numpy and mpi4py are imported (the package's __init__ would load
 TensorFlow in every one of the ranks); rank 0 prints "OK <ranks>" at the end.
 """
@@ -23,6 +25,7 @@ sys.modules["mpi_strategy"] = package
 import numpy as np
 from mpi4py import MPI
 
+from mpi_strategy._src.core import rendezvous
 from mpi_strategy._src.core.collectives import Collectives
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.rendezvous import record_bytes
@@ -39,7 +42,19 @@ def check(ok: bool, what: str) -> None:
 
 
 def main() -> None:
-    collectives = Collectives(WORLD)
+    gathered = Collectives(WORLD)
+    run(gathered)
+    rendezvous.HASHED_ABOVE = 32
+    hashed = Collectives(WORLD)
+    check(hashed.rendezvous.hashed, "the hashed agreement is in use")
+    run(hashed)
+    check("tensorflow" not in sys.modules, "no TensorFlow imported")
+    if RANK == 0:
+        carry = gathered.rendezvous.carry_bytes
+        print(f"OK {SIZE} ranks, record {record_bytes(SIZE)} bytes, carried {carry}", flush=True)
+
+
+def run(collectives: Collectives) -> None:
     carry = collectives.rendezvous.carry_bytes
     token = 0
 
@@ -84,9 +99,6 @@ def main() -> None:
 
     (after,) = collectives.allreduce([np.ones(4)], token=next_token())
     check(np.all(after == SIZE), "the communicator after the errors")
-    check("tensorflow" not in sys.modules, "no TensorFlow imported")
-    if RANK == 0:
-        print(f"OK {SIZE} ranks, record {record_bytes(SIZE)} bytes, carried {carry}", flush=True)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,13 @@ _SIGNATURE_BYTES = 8 * (_BYTES + 1)
 
 _ANNOUNCE_TAG = 7
 
+# Above this many ranks, the ranks agree by comparing a hash of their
+# signatures (one Allreduce of 16 bytes: O(1) bytes per rank) instead of
+# gathering every rank's record (O(ranks) bytes, which the cost model shows
+# at thousands of ranks); every record is gathered only to explain a
+# disagreement. Nothing is carried then: small data takes its own MPI call.
+HASHED_ABOVE = 1024
+
 
 def record_bytes(size: int) -> int:
     """Bytes each rank sends in the agreement Allgather, on a communicator of ``size``.
@@ -202,6 +209,7 @@ class NativeState(enum.IntEnum):
     SIZE = 8
     ENGINE = 9  # which Collectives (native/engine.py)
     CARRY_BYTES = 10
+    HASHED = 11  # 1: the hashed agreement (more than HASHED_ABOVE ranks)
 
 
 def as_int64(handle: int) -> int:
@@ -277,6 +285,15 @@ def _layout(
     return codes[0], count, zlib.crc32(repr((ints, codes, tag)).encode()) & 0x7FFFFFFF
 
 
+def hash_of(signature: np.ndarray) -> int:
+    """The hashed agreement's hash of what must agree in ``signature``
+    (64-bit FNV-1a of its bytes, the kernels compute the same), below 2**63."""
+    h = 0xCBF29CE484222325
+    for byte in signature[_MUST_AGREE].astype("<i8").tobytes():
+        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h >> 1
+
+
 def _kind(code: int) -> Kind:
     return _KINDS.get(int(code), Kind(int(code), f"collective kind {int(code)}"))
 
@@ -341,6 +358,9 @@ class Rendezvous:
         self.state[NativeState.CARRY_BYTES] = self.carry_bytes
         self.state[NativeState.RANK], self.state[NativeState.SIZE] = self._rank, self._size
         self.state[NativeState.AGREE_COMM] = as_int64(comm.handle)
+        self.hashed = self._size > HASHED_ABOVE
+        self.state[NativeState.HASHED] = int(self.hashed)
+        self._hash_agreed = False  # the last exchange agreed by hash (no records gathered)
         self._announce_comm = comm.Dup() if name_missing_ranks and self._size > 1 else None
         if self._announce_comm is not None:  # freed with this object (not at exit)
             weakref.finalize(self, self._announce_comm.Free).atexit = False
@@ -400,7 +420,7 @@ class Rendezvous:
         every rank - or None when some rank's data did not fit in
         ``carry_bytes``; then the caller moves the data with its own MPI call.
         """
-        fits = data.size <= self.carry_bytes
+        fits = data.size <= self.carry_bytes and not self.hashed
         everyone = self.agree(
             kind,
             dtype,
@@ -413,6 +433,14 @@ class Rendezvous:
             _data=data if fits else None,
         )
         assert everyone is not None  # (a data collective is never partial)
+        if self.hashed:
+            if kind == ALLGATHER and self._hash_agreed:  # every rank's byte count
+                counts = np.empty(self._size, np.int64)
+                mine = np.array([data.size], np.int64)
+                self._comm.Allgather([mine, MPI.INT64_T], [counts, MPI.INT64_T])
+                everyone = everyone.copy()
+                everyone[:, _BYTES] = counts
+            return everyone, None
         if everyone[:, _BYTES].max() > self.carry_bytes:
             return everyone, None
         return everyone, self._received[:, _SIGNATURE_BYTES:]
@@ -453,11 +481,13 @@ class Rendezvous:
             token_step = token - int(self.state[NativeState.TOKEN])
             self.state[NativeState.TOKEN] = token
         mine = signature(self._seq, kind, dtype, shapes, rows, nbytes, tag, self.solo, token_step)
-        agreed = self._settle(
-            self._exchange(mine, _data, shapes, timeout),
-            kind,
-            shapes,
-            lambda: self._exchange(mine, _data, shapes, timeout),
+        everyone = self._exchange(mine, _data, shapes, timeout)
+        agreed = (
+            everyone
+            if self._hash_agreed
+            else self._settle(
+                everyone, kind, shapes, lambda: self._exchange(mine, _data, shapes, timeout)
+            )
         )
         if agreed is not None:
             self.agreed_at = time.perf_counter()
@@ -497,7 +527,11 @@ class Rendezvous:
         self.disagreed = []
 
         def exchange() -> np.ndarray:
-            self._comm.Iallgather(record, received).Wait()
+            mine = record[:_SIGNATURE_BYTES].view(np.int64)
+            if self.hashed and self._hashes_agree(mine, shapes, None):
+                received[...] = record  # (the kernel then reads the agreed rows)
+            else:
+                self._comm.Iallgather(record, received).Wait()
             return received[:, :_SIGNATURE_BYTES].copy().view(np.int64)
 
         kind = _kind(int(record[:_SIGNATURE_BYTES].view(np.int64)[_KIND]))
@@ -510,7 +544,12 @@ class Rendezvous:
         shapes: Sequence[Shape],
         timeout: float | None,
     ) -> np.ndarray:
-        """Every rank's signature (one row per rank); their records stay in ``_received``."""
+        """Every rank's signature (one row per rank); their records stay in
+        ``_received``. Hashed: this rank's signature in every row when the
+        hashes agree (``_hash_agreed``), else every rank's as gathered."""
+        self._hash_agreed = self.hashed and self._hashes_agree(mine, shapes, timeout)
+        if self._hash_agreed:
+            return np.broadcast_to(mine, (self._size, mine.size))
         record = np.zeros(record_bytes(self._size), np.uint8)
         record[: mine.nbytes] = mine.view(np.uint8)
         if data is not None:
@@ -526,6 +565,21 @@ class Rendezvous:
             self._wait(self._comm.Iallgather(record, self._received), mine, shapes, timeout)
             self._collect_announcements()
         return self._received[:, : mine.nbytes].copy().view(np.int64)
+
+    def _hashes_agree(
+        self, mine: np.ndarray, shapes: Sequence[Shape], timeout: float | None
+    ) -> bool:
+        """Whether every rank's signature hashes alike: one Allreduce (max)
+        of (hash, -hash) gives the largest and the smallest hash."""
+        extremes = np.array([hash_of(mine), -hash_of(mine)], np.int64)
+        request = self._comm.Iallreduce(MPI.IN_PLACE, [extremes, MPI.INT64_T], op=MPI.MAX)
+        if timeout is None:
+            request.Wait()
+        else:
+            self._announce()
+            self._wait(request, mine, shapes, timeout)
+            self._collect_announcements()
+        return bool(extremes[0] == -extremes[1])
 
     # -- disagreement --------------------------------------------------------
     def _raise_disagreement(self, everyone: np.ndarray, shapes: Sequence[Shape]) -> None:

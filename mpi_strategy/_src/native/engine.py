@@ -57,11 +57,14 @@ class Kernels:
         self.path = path
         self.ops = tf.load_op_library(str(path))
         init = ctypes.CDLL(str(path)).mpi_strategy_native_init
-        init.argtypes = [ctypes.c_char_p, ctypes.c_ssize_t, ctypes.c_ssize_t, _Resolve]
+        handle = ctypes.c_ssize_t
+        init.argtypes = [ctypes.c_char_p, handle, handle, handle, handle, _Resolve]
         missing = init(
             mpi4py.MPI.__file__.encode(),
             int(MPI.IN_PLACE),
             as_int64(MPI.BYTE.handle),
+            as_int64(MPI.INT64_T.handle),
+            as_int64(MPI.MAX.handle),
             _resolve_callback,
         )
         if missing:

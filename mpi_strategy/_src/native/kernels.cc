@@ -52,8 +52,12 @@ struct Mpi {
   int (*Bcast)(void*, int, Handle, int, Handle) = nullptr;
   int (*Allgatherv)(const void*, int, Handle, void*, const int*, const int*, Handle,
                     Handle) = nullptr;
+  int (*Iallreduce)(const void*, void*, int, Handle, Handle, Handle, Handle*) = nullptr;
+  int (*Allgather)(const void*, int, Handle, void*, int, Handle, Handle) = nullptr;
   Handle in_place = 0;
   Handle byte = 0;
+  Handle int64 = 0;
+  Handle max = 0;
 };
 Mpi mpi;
 
@@ -70,7 +74,7 @@ enum Event : int64_t { kDisagreement = 1, kMpiError = 2, kBlocked = 3 };
 // every collective of a communicator, so one kernel at a time touches it.
 struct State {
   int64_t seq, token, solo, blocked, agree_comm, data_comm, record_bytes, rank, size,
-      engine, carry_bytes;
+      engine, carry_bytes, hashed;
 };
 
 // The signature fields (core/rendezvous.py).
@@ -137,6 +141,33 @@ const int64_t* Signature(const Site& site, int64_t rank) {
                                           rank * site.state->record_bytes);
 }
 
+// The hashed agreement's hash of the fields that must agree (rendezvous.hash_of).
+int64_t HashOf(const int64_t* signature) {
+  uint64_t h = 0xCBF29CE484222325ull;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(signature + kKind);
+  for (int i = 0; i < 8 * (kToken - kKind + 1); ++i) h = (h ^ bytes[i]) * 0x100000001B3ull;
+  return static_cast<int64_t>(h >> 1);
+}
+
+bool Wait(TF_OpKernelContext* ctx, const Site& site, int rc, Handle* request) {
+  alignas(16) unsigned char status[64];  // (larger than any MPI's MPI_Status)
+  if (rc == 0) rc = mpi.Wait(request, status);
+  return MpiOk(ctx, site, rc);
+}
+
+// Above rendezvous.HASHED_ABOVE ranks: whether every rank's hash is this
+// one's (one Allreduce, max, of (hash, -hash)).
+bool HashesAgree(TF_OpKernelContext* ctx, const Site& site, const int64_t* signature,
+                 bool* agreed) {
+  int64_t extremes[2] = {HashOf(signature), -HashOf(signature)};
+  Handle request = 0;
+  int rc = mpi.Iallreduce(reinterpret_cast<void*>(mpi.in_place), extremes, 2, mpi.int64, mpi.max,
+                          static_cast<Handle>(site.state->agree_comm), &request);
+  if (!Wait(ctx, site, rc, &request)) return false;
+  *agreed = extremes[0] == -extremes[1];
+  return true;
+}
+
 // The agreement (Rendezvous.agree_carrying): returns false on error (set on
 // the context); `carried` is true when every rank's data is in the records.
 bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
@@ -152,16 +183,20 @@ bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
   int64_t signature[10] = {state.seq, site.kind, site.dtype_code, site.count, site.tensors,
                            site.layout, state.solo, step, rows, nbytes};
   std::memcpy(site.record.data(), signature, kSignatureBytes);
-  if (nbytes <= state.carry_bytes && nbytes > 0) {
+  if (nbytes <= state.carry_bytes && nbytes > 0 && !state.hashed) {
     std::memcpy(site.record.data() + kSignatureBytes, data, nbytes);
   }
+  *carried = false;
+  if (state.hashed) {
+    bool agreed = false;
+    if (!HashesAgree(ctx, site, signature, &agreed)) return false;
+    if (agreed) return true;  // (else every record, to explain the disagreement)
+  }
   Handle request = 0;
-  alignas(16) unsigned char status[64];
   int rc = mpi.Iallgather(site.record.data(), static_cast<int>(record_bytes), mpi.byte,
                           site.received.data(), static_cast<int>(record_bytes), mpi.byte,
                           static_cast<Handle>(state.agree_comm), &request);
-  if (rc == 0) rc = mpi.Wait(&request, status);
-  if (!MpiOk(ctx, site, rc)) return false;
+  if (!Wait(ctx, site, rc, &request)) return false;
   const int64_t* first = Signature(site, 0);
   bool differ = false;
   for (int64_t r = 1; r < size && !differ; ++r) {
@@ -170,6 +205,7 @@ bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
   // Python settles a disagreement: it raises, or (a save some ranks are in)
   // meets again until this collective agrees, leaving the records here.
   if (differ && !AskPython(ctx, site, kDisagreement, 0)) return false;
+  if (state.hashed) return true;
   *carried = true;
   for (int64_t r = 0; r < size; ++r) *carried &= Signature(site, r)[kBytes] <= state.carry_bytes;
   return true;
@@ -399,9 +435,16 @@ void AllgatherCompute(void* kernel, TF_OpKernelContext* ctx) {
     bool ok = Agree(ctx, site, token, mine.data(), nbytes, &carried, total_rows);
     const int64_t size = site.state->size;
     std::vector<int> counts(size), starts(size);
+    std::vector<int64_t> sizes(size);
+    for (int64_t r = 0; ok && r < size; ++r) sizes[r] = Signature(site, r)[kBytes];
+    if (ok && site.state->hashed) {  // (the hash agreed: no record says the sizes)
+      ok = MpiOk(ctx, site,
+                 mpi.Allgather(&nbytes, 1, mpi.int64, sizes.data(), 1, mpi.int64,
+                               static_cast<Handle>(site.state->agree_comm)));
+    }
     int64_t received_bytes = 0;
     for (int64_t r = 0; ok && r < size; ++r) {
-      counts[r] = static_cast<int>(Signature(site, r)[kBytes]);
+      counts[r] = static_cast<int>(sizes[r]);
       starts[r] = static_cast<int>(received_bytes);
       received_bytes += counts[r];
     }
@@ -496,7 +539,8 @@ struct Registration {
 // handles that differ between MPI libraries, and the way back to Python.
 // Returns 0, or the number of the MPI function not found.
 extern "C" int mpi_strategy_native_init(const char* mpi4py_library, intptr_t in_place,
-                                        intptr_t byte, Resolve callback) {
+                                        intptr_t byte, intptr_t int64, intptr_t max,
+                                        Resolve callback) {
   void* library = dlopen(mpi4py_library, RTLD_NOLOAD | RTLD_LAZY);
   if (library == nullptr) return -1;
   mpi.Iallgather = reinterpret_cast<decltype(mpi.Iallgather)>(dlsym(library, "MPI_Iallgather"));
@@ -504,14 +548,19 @@ extern "C" int mpi_strategy_native_init(const char* mpi4py_library, intptr_t in_
   mpi.Allreduce = reinterpret_cast<decltype(mpi.Allreduce)>(dlsym(library, "MPI_Allreduce"));
   mpi.Bcast = reinterpret_cast<decltype(mpi.Bcast)>(dlsym(library, "MPI_Bcast"));
   mpi.Allgatherv = reinterpret_cast<decltype(mpi.Allgatherv)>(dlsym(library, "MPI_Allgatherv"));
+  mpi.Iallreduce = reinterpret_cast<decltype(mpi.Iallreduce)>(dlsym(library, "MPI_Iallreduce"));
+  mpi.Allgather = reinterpret_cast<decltype(mpi.Allgather)>(dlsym(library, "MPI_Allgather"));
   void* found[] = {reinterpret_cast<void*>(mpi.Iallgather), reinterpret_cast<void*>(mpi.Wait),
                    reinterpret_cast<void*>(mpi.Allreduce), reinterpret_cast<void*>(mpi.Bcast),
-                   reinterpret_cast<void*>(mpi.Allgatherv)};
-  for (int i = 0; i < 5; ++i) {
+                   reinterpret_cast<void*>(mpi.Allgatherv), reinterpret_cast<void*>(mpi.Iallreduce),
+                   reinterpret_cast<void*>(mpi.Allgather)};
+  for (int i = 0; i < 7; ++i) {
     if (found[i] == nullptr) return i + 1;
   }
   mpi.in_place = in_place;
   mpi.byte = byte;
+  mpi.int64 = int64;
+  mpi.max = max;
   resolve = callback;
   return 0;
 }
