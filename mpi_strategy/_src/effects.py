@@ -101,9 +101,20 @@ _EXCEPTHOOK = (sys, "excepthook")
 _AT_EXIT = (atexit, "mpi_strategy at exit")  # (a record only: atexit is not patched)
 
 
+# What the last install saw: (failure armed, Keras packages imported, how
+# many effects were installed). TensorFlow enters a strategy's scope (and so
+# calls ``install``) on every read of a distributed variable: when nothing
+# changed since, install returns at once.
+_installed_for: tuple[Any, ...] | None = None
+
+
 def install() -> None:
     """Installs every process-wide effect that this process can have now
     (idempotent; see the module)."""
+    global _installed_for
+    seen = (failure.armed(), *(p in sys.modules for p in _keras_internal.SITES), len(_ORIGINALS))
+    if seen == _installed_for:
+        return
     logs.configure()
     _once(_AT_EXIT, lambda _: atexit.register(_at_exit))
     synchronous = set(_tf_internal.ASYNC_CHECKPOINT_CALLS)
@@ -122,11 +133,18 @@ def install() -> None:
             _adapt_keras(package, site)
     if failure.armed():
         _once(_EXCEPTHOOK, _excepthook_over)
+    _installed_for = (
+        failure.armed(),
+        *(p in sys.modules for p in _keras_internal.SITES),
+        len(_ORIGINALS),
+    )
 
 
 def uninstall() -> None:
     """Puts back everything ``install`` replaced (for tests; the log handler
     and the exit handler stay, inert)."""
+    global _installed_for
+    _installed_for = None
     for (owner, name), original in reversed(list(_ORIGINALS.items())):
         if (owner, name) != _AT_EXIT:
             setattr(owner, name, original)

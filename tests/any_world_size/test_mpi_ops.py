@@ -159,13 +159,13 @@ def test_allreduce_packed_many_shapes(mpi, in_function):
 
 def test_results_are_not_overwritten_by_the_next_call(mpi):
     """Outputs are views of pooled buffers; a buffer is reused only when no tensor views it."""
-    n = 1 << 15  # large enough to be pooled
+    n = 1 << 16  # large enough to be pooled, and the pair to reach the kernels unconcatenated
 
     @tf.function
     def summed(x):
         return [*mpi.allreduce_sum_packed([x, 2 * x]), mpi.allreduce_sum(3 * x)]
 
-    held = [summed(tf.fill([n], float(step))) for step in range(4)]
+    held = [summed(tf.fill([n], float(step))) for step in range(6)]  # more than a pool holds
     for step, outs in enumerate(held):
         for factor, out in zip((1, 2, 3), outs):
             np.testing.assert_array_equal(out.numpy(), np.full([n], factor * step * SIZE))

@@ -14,6 +14,14 @@ ranks check the signatures and then compute the result from the data they
 already hold, so a small collective costs one MPI round, not two. A large one
 costs the Allgather, then its own MPI call.
 
+Above ``HASHED_ABOVE`` (1024) ranks, gathering every record would cost
+O(ranks) bytes per rank per collective; there the ranks compare a 63-bit hash
+of what must agree instead (one Allreduce of 16 bytes: the largest hash and
+minus the smallest), gather the records only when the hashes differ (to
+explain the disagreement, or to settle a save that some ranks are in), carry
+no data, and an all-gather learns each rank's byte count in one more small
+Allgather.
+
 With ``CommunicationOptions(timeout_seconds=T)`` the Allgather is non-blocking
 and polled, and each rank tells the others (a few bytes, point to point) the
 number of every collective it enters. A rank that waited ``T`` seconds then

@@ -260,6 +260,17 @@ class OrderedComm:
             )
         if len(tensors) > 1 and _small_and_static(tensors):
             shapes = [tuple(t.shape) for t in tensors]
+            native = self._native
+            if native is not None and timeout is None and timeline_lib.current() is None:
+                # The kernel takes them as they are (no concat and split ops),
+                # and sends the bytes of their concatenation, as below.
+                return self._ordered_call(
+                    "MPIAllreduce",
+                    self._allreduce(op, shapes, timeout),  # (not used: no timeline)
+                    tensors,
+                    [t.dtype for t in tensors],
+                    lambda token, ins: native.allreduce(token, ins, op, shapes, contiguous=True),
+                )
             flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
             (summed,) = self._ordered_call(
                 "MPIAllreduce",

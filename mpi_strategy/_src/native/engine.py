@@ -127,9 +127,13 @@ class NativeComm:
         tensors: Sequence[tf.Tensor],
         op: str,
         shapes: Sequence[Shape],
+        contiguous: bool = False,
     ) -> list[tf.Tensor]:
         """[next token, *reduced tensors]: ``Collectives.allreduce`` in one kernel.
-        ``shapes``: what the agreement compares (static)."""
+        ``shapes``: what the agreement compares (static). ``contiguous``: the
+        tensors' bytes back to back, as the Python engine sends small tensors
+        that TensorFlow concatenated (else each starts 64-byte aligned, as
+        ``core/buffers.py`` packs them)."""
         kind, mpi_op, _ = REDUCTIONS[op]
         dtype = tensors[0].dtype.as_numpy_dtype
         next_token, outputs = self._ops.mpi_strategy_allreduce(
@@ -139,6 +143,7 @@ class NativeComm:
             op=_OPS.index(op),
             mpi_op=as_int64(mpi_op.handle),
             mpi_dtype=as_int64(MPI.Datatype.fromcode(np.dtype(dtype).char).handle),
+            contiguous=int(contiguous),
             **self._site(kind, shapes, dtype),
         )
         return [next_token, *outputs]

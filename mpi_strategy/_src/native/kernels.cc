@@ -27,6 +27,8 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -81,13 +83,68 @@ struct State {
 enum Field { kSeq, kKind, kDtype, kCount, kTensors, kLayout, kSolo, kToken, kRows, kBytes };
 constexpr int kSignatureBytes = 8 * 10;
 
+// Packed buffers handed to TensorFlow as the outputs themselves (no copy
+// out), reused once TensorFlow has released every output (as core/buffers.py
+// BufferPool: reused memory spares the page faults of fresh pages, and the MPI
+// library reuses what it registered for it). `refs`: one for the pool, one
+// per output alive; the last one frees the slot's memory.
+struct Slot {
+  uint8_t* data = nullptr;
+  int64_t size = 0;
+  std::atomic<int64_t> refs{1};
+};
+
+void Release(Slot* slot) {
+  if (slot->refs.fetch_sub(1) == 1) {
+    std::free(slot->data);
+    delete slot;
+  }
+}
+
+void ReleaseOutput(void* /*data*/, size_t /*len*/, void* slot) { Release(static_cast<Slot*>(slot)); }
+
+constexpr size_t kPoolSize = 4;
+
+class Pool {
+ public:
+  ~Pool() {
+    for (Slot* slot : slots_) Release(slot);
+  }
+  // A free slot of `size` bytes with `users` references taken, or nullptr.
+  Slot* Take(int64_t size, int64_t users) {
+    for (Slot* slot : slots_) {
+      int64_t free = 1;
+      if (slot->size == size && slot->refs.compare_exchange_strong(free, 1 + users)) return slot;
+    }
+    auto* slot = new Slot;
+    slot->size = size;
+    slot->data = static_cast<uint8_t*>(std::aligned_alloc(64, (size + 63) / 64 * 64));
+    if (slot->data == nullptr) {
+      delete slot;
+      return nullptr;
+    }
+    if (slots_.size() < kPoolSize) {
+      slots_.push_back(slot);
+      slot->refs = 1 + users;
+    } else {
+      slot->refs = users;  // (not pooled: freed with its last output)
+    }
+    return slot;
+  }
+
+ private:
+  std::vector<Slot*> slots_;
+};
+
 // What a kernel knows from tracing.
 struct Site {
   State* state = nullptr;
   int64_t site = 0, kind = 0, dtype_code = 0, count = 0, tensors = 0, layout = 0, root = 0;
   int64_t op = 0;  // 0 sum, 1 min, 2 max, 3 product
+  int64_t contiguous = 0;  // 1: tensors packed back to back (as concatenated)
   Handle mpi_dtype = 0, mpi_op = 0;
   std::vector<uint8_t> record, received, scratch;
+  Pool pool;
 };
 
 int64_t Attr(TF_OpKernelConstruction* ctx, const char* name, TF_Status* status) {
@@ -108,6 +165,7 @@ void* Create(TF_OpKernelConstruction* ctx) {
   site->layout = Attr(ctx, "layout", status);
   site->root = Attr(ctx, "root", status);
   site->op = Attr(ctx, "op", status);
+  site->contiguous = Attr(ctx, "contiguous", status);
   site->mpi_dtype = static_cast<Handle>(Attr(ctx, "mpi_dtype", status));
   site->mpi_op = static_cast<Handle>(Attr(ctx, "mpi_op", status));
   if (TF_GetCode(status) != TF_OK) TF_OpKernelConstruction_Failure(ctx, status);
@@ -314,57 +372,128 @@ TF_Tensor* OutputLike(TF_OpKernelContext* ctx, int index, TF_Status* status) {
   return output;
 }
 
+bool ReduceInPlace(TF_OpKernelContext* ctx, Site& site, int64_t token, TF_DataType dtype,
+                   void* buffer, int64_t nbytes);
+
+// Small tensors, back to back (the bytes of their concatenation, as the
+// Python engine sends them): reduced in a scratch buffer, copied out.
+void AllreduceContiguous(TF_OpKernelContext* ctx, Site& site, int64_t token,
+                         const std::vector<TF_Tensor*>& inputs, TF_Status* status) {
+  int64_t nbytes = 0;
+  for (TF_Tensor* input : inputs) nbytes += TF_TensorByteSize(input);
+  site.scratch.resize(nbytes);
+  int64_t at = 0;
+  for (TF_Tensor* input : inputs) {
+    if (TF_TensorByteSize(input) > 0) {
+      std::memcpy(site.scratch.data() + at, TF_TensorData(input), TF_TensorByteSize(input));
+    }
+    at += TF_TensorByteSize(input);
+  }
+  const TF_DataType dtype = TF_TensorType(inputs[0]);
+  if (!ReduceInPlace(ctx, site, token, dtype, site.scratch.data(), nbytes)) return;
+  at = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    std::vector<int64_t> dims = Dims(inputs[i]);
+    const int64_t size = TF_TensorByteSize(inputs[i]);
+    TF_Tensor* out = TF_AllocateOutput(ctx, static_cast<int>(i) + 1, dtype, dims.data(),
+                                       static_cast<int>(dims.size()), size, status);
+    if (Fail(ctx, status)) return;
+    if (size > 0) std::memcpy(TF_TensorData(out), site.scratch.data() + at, size);
+    at += size;
+    TF_DeleteTensor(out);
+  }
+  SetToken(ctx, status);
+}
+
+void AllreducePacked(TF_OpKernelContext* ctx, Site& site, int64_t token, int n,
+                     TF_Status* status) {
+  std::vector<TF_Tensor*> inputs;
+  for (int i = 1; i <= n && TF_GetCode(status) == TF_OK; ++i) {
+    TF_Tensor* input = nullptr;
+    TF_GetInput(ctx, i, &input, status);
+    if (!Fail(ctx, status)) inputs.push_back(input);
+  }
+  if (TF_GetCode(status) == TF_OK) {
+    const TF_DataType dtype = TF_TensorType(inputs[0]);
+    if (site.contiguous) {
+      AllreduceContiguous(ctx, site, token, inputs, status);
+      for (TF_Tensor* input : inputs) TF_DeleteTensor(input);
+      return;
+    }
+    const int64_t align = std::max<int64_t>(64, TF_DataTypeSize(dtype));
+    std::vector<int64_t> starts;
+    int64_t nbytes = 0;
+    for (TF_Tensor* input : inputs) {
+      nbytes = (nbytes + align - 1) / align * align;
+      starts.push_back(nbytes);
+      nbytes += TF_TensorByteSize(input);
+    }
+    Slot* slot = site.pool.Take(nbytes, n);
+    if (slot == nullptr) {
+      TF_SetStatus(status, TF_RESOURCE_EXHAUSTED, "mpi_strategy: cannot allocate the buffer");
+      Fail(ctx, status);
+    } else {
+      for (int i = 0; i < n; ++i) {
+        const int64_t size = TF_TensorByteSize(inputs[i]);
+        const int64_t end = i + 1 < n ? starts[i + 1] : nbytes;
+        if (size > 0) std::memcpy(slot->data + starts[i], TF_TensorData(inputs[i]), size);
+        std::memset(slot->data + starts[i] + size, 0, end - starts[i] - size);
+      }
+      int handed = 0;
+      if (ReduceInPlace(ctx, site, token, dtype, slot->data, nbytes)) {
+        for (; handed < n && TF_GetCode(status) == TF_OK; ++handed) {
+          std::vector<int64_t> dims = Dims(inputs[handed]);
+          TF_Tensor* out = TF_NewTensor(dtype, dims.data(), static_cast<int>(dims.size()),
+                                        slot->data + starts[handed],
+                                        TF_TensorByteSize(inputs[handed]), &ReleaseOutput, slot);
+          TF_SetOutput(ctx, handed + 1, out, status);
+          TF_DeleteTensor(out);  // (the output holds the slot now)
+        }
+        if (!Fail(ctx, status)) SetToken(ctx, status);
+      }
+      for (int i = handed; i < n; ++i) Release(slot);  // (the outputs not handed out)
+    }
+  }
+  for (TF_Tensor* input : inputs) TF_DeleteTensor(input);
+}
+
+// Reduces `buffer` (`nbytes` of `dtype`) in place over the ranks.
+bool ReduceInPlace(TF_OpKernelContext* ctx, Site& site, int64_t token, TF_DataType dtype,
+                   void* buffer, int64_t nbytes) {
+  bool carried = false;
+  if (!Agree(ctx, site, token, buffer, nbytes, &carried)) return false;
+  if (carried) {
+    ReduceCarried(site, dtype, buffer, nbytes);
+    return true;
+  }
+  const int64_t elements = nbytes / TF_DataTypeSize(dtype);
+  return MpiOk(ctx, site,
+               mpi.Allreduce(reinterpret_cast<void*>(mpi.in_place), buffer,
+                             static_cast<int>(elements), site.mpi_dtype, site.mpi_op,
+                             static_cast<Handle>(site.state->data_comm)));
+}
+
 // Allreduce: inputs (token, x_1..x_N of one dtype), outputs (token + 1, the
-// reductions). One tensor is reduced in its own (forwarded) buffer; several
-// are packed into one scratch buffer and reduced by one MPI call.
+// reductions). One tensor is reduced in its own (forwarded) buffer. Several
+// are packed as core/buffers.py packs them (each start 64-byte aligned, the
+// gaps zero, the buffer ending with the last tensor) into a pooled buffer,
+// reduced by one MPI call, and handed out as the outputs (views of it).
 void AllreduceCompute(void* kernel, TF_OpKernelContext* ctx) {
   Site& site = *static_cast<Site*>(kernel);
   TF_Status* status = TF_NewStatus();
   const int n = TF_NumInputs(ctx) - 1;
   const int64_t token = ReadToken(ctx, status);
-  std::vector<TF_Tensor*> outputs;
-  for (int i = 1; i <= n && TF_GetCode(status) == TF_OK; ++i) {
-    outputs.push_back(OutputLike(ctx, i, status));
+  if (n == 1 && TF_GetCode(status) == TF_OK) {
+    TF_Tensor* out = OutputLike(ctx, 1, status);
+    if (TF_GetCode(status) == TF_OK &&
+        ReduceInPlace(ctx, site, token, TF_TensorType(out), TF_TensorData(out),
+                      TF_TensorByteSize(out))) {
+      SetToken(ctx, status);
+    }
+    if (out != nullptr) TF_DeleteTensor(out);
+  } else if (TF_GetCode(status) == TF_OK) {
+    AllreducePacked(ctx, site, token, n, status);
   }
-  if (TF_GetCode(status) == TF_OK) {
-    const TF_DataType dtype = TF_TensorType(outputs[0]);
-    // As core/buffers.py packs: each tensor starts 64-byte aligned after the
-    // previous one, the gaps zero; the buffer ends with the last tensor.
-    const int64_t align = std::max<int64_t>(64, TF_DataTypeSize(dtype));
-    std::vector<int64_t> starts;
-    int64_t nbytes = 0;
-    for (TF_Tensor* out : outputs) {
-      nbytes = (nbytes + align - 1) / align * align;
-      starts.push_back(nbytes);
-      nbytes += TF_TensorByteSize(out);
-    }
-    void* buffer = TF_TensorData(outputs[0]);
-    if (n > 1) {
-      site.scratch.assign(nbytes, 0);
-      for (int i = 0; i < n; ++i) {
-        std::memcpy(site.scratch.data() + starts[i], TF_TensorData(outputs[i]),
-                    TF_TensorByteSize(outputs[i]));
-      }
-      buffer = site.scratch.data();
-    }
-    bool carried = false;
-    bool ok = Agree(ctx, site, token, buffer, nbytes, &carried);
-    if (ok && carried) {
-      ReduceCarried(site, dtype, buffer, nbytes);
-    } else if (ok) {
-      const int64_t elements = nbytes / TF_DataTypeSize(dtype);
-      ok = MpiOk(ctx, site,
-                 mpi.Allreduce(reinterpret_cast<void*>(mpi.in_place), buffer,
-                               static_cast<int>(elements), site.mpi_dtype, site.mpi_op,
-                               static_cast<Handle>(site.state->data_comm)));
-    }
-    for (int i = 0; ok && n > 1 && i < n; ++i) {
-      std::memcpy(TF_TensorData(outputs[i]), site.scratch.data() + starts[i],
-                  TF_TensorByteSize(outputs[i]));
-    }
-    if (ok) SetToken(ctx, status);
-  }
-  for (TF_Tensor* out : outputs) TF_DeleteTensor(out);
   TF_DeleteStatus(status);
 }
 
@@ -501,7 +630,8 @@ void UnknownShapes(TF_ShapeInferenceContext* ctx, TF_Status* status) {
 
 const char* kIntAttrs[] = {"state: int", "site: int", "kind: int", "dtype_code: int",
                            "count: int", "tensors: int", "layout: int", "root: int = 0",
-                           "op: int = 0", "mpi_dtype: int = 0", "mpi_op: int = 0"};
+                           "op: int = 0", "mpi_dtype: int = 0", "mpi_op: int = 0",
+                           "contiguous: int = 0"};
 
 // `types`: "T: type" (one dtype) plus "N: int" when `listed`, or "T: list(type)".
 void RegisterOp(const char* name, const char* input, const char* output, bool listed,
