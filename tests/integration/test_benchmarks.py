@@ -215,3 +215,48 @@ def test_elastic_part_launches_elastic_mode_under_ulfm_and_reports_the_ratio():
     assert part["models"]["mlp"]["on"]["ratio"]["ms_per_step"]["of_medians"] == 1.0
     text = "\n".join(elastic.markdown(part))
     assert "| mlp (7.45 MB) | on | " in text and "target <= 1.03: met" in text
+
+
+def test_the_agreement_is_projected_hashed_above_1024_ranks():
+    link = cost_model.NETWORKS["10GbE (assumed: alpha 50 us, 1.1 GB/s)"]
+    a, b = link["alpha"], link["beta"]
+    assert cost_model.agreement_time(1024, a, b) == cost_model.allgather_time(128, 1024, a, b)
+    hashed, gathered = (cost_model.agreement_time(4096, a, b, h) for h in (True, False))
+    assert cost_model.agreement_time(4096, a, b) == hashed == 12 * (a + 16 * b)
+    assert gathered == 12 * a + 4095 * 128 * b > hashed  # the O(ranks) bytes are gone
+
+
+@pytest.mark.single_process
+def test_kernels_part_measures_both_engines_and_projects_the_papers_table():
+    # One overhead launch per engine (seconds each); the full comparison is
+    # `python -m benchmarks --kernels`.
+    from benchmarks import kernels
+    from benchmarks.launching import launch_together, python_module
+    from testing.launch import mpiexec_command, mpiexec_env
+
+    launches = []
+    for engine in kernels.ENGINES:
+        rows, error = launch_together(
+            [
+                (
+                    [*mpiexec_command(2), *python_module("benchmarks.kernels", "--overhead")],
+                    {**mpiexec_env(), "MPI_STRATEGY_KERNELS": engine},
+                )
+            ]
+        )
+        assert error is None, error
+        assert {r["engine"] for r in rows} == {engine} and len(rows) == 2, rows
+        launches.append({"kind": "overhead", "engine": engine, "rows": rows})
+    summary = kernels.summary(launches)
+    assert summary["collective_us"]["native"] < summary["collective_us"]["python"]
+    compute = {
+        m: {"params": 1000 * (i + 1), "ms_per_step": 5.0 * (i + 1)}
+        for i, m in enumerate(["lenet3", "cnn", "higgs"])
+    }
+    model = kernels.projection(launches, compute)
+    assert len(model["paper"]) == 6 and all(r["native_speedup"] > 0 for r in model["paper"])
+    assert all(
+        r["native_agreement_share_at_4096"] < r["native_gathered_agreement_share_at_4096"]
+        for r in model["paper"]
+    )
+    assert "| Higgs DNN | 10GbE | 80 |" in "\n".join(kernels.cost_markdown(model))
