@@ -15,12 +15,14 @@ class MPIStrategyError(RuntimeError):
     collective, ranks with different device counts, ...) raises this
     class itself, in eager mode and in `tf.function` alike.
 
-    Errors found while an MPI op runs are raised in the op's Python function (a
-    `tf.numpy_function`). Run eagerly, the caller gets that exception. Inside a
-    `tf.function` (Keras `fit` / `evaluate` / `predict` included, unless
-    `run_eagerly=True`), TensorFlow replaces it by a `tf.errors.OpError` chosen by
-    the exception's Python type; its message holds the class name, the
-    message and the traceback. The subclasses in `mpi_strategy.errors` are
+    Errors found while an MPI op runs are raised in Python (in the op's
+    `tf.numpy_function`, or called back from a native kernel). Run eagerly, the
+    caller gets that exception. Inside a `tf.function` (Keras `fit` /
+    `evaluate` / `predict` included, unless `run_eagerly=True`), TensorFlow
+    replaces it by a `tf.errors.OpError`: a native kernel sets the exception's
+    own `tf.errors` class, a `tf.numpy_function` one chosen by the exception's
+    Python type; its message holds the class name and the message (and, from
+    a `tf.numpy_function`, the traceback). The subclasses in `mpi_strategy.errors` are
     chosen so that the `tf.errors` class is the same in both modes where
     TensorFlow allows it:
 
