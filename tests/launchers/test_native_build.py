@@ -47,6 +47,15 @@ def test_without_a_compiler_the_python_engine_runs_and_rank_0_says_why(tmp_path)
 
 
 @pytest.mark.single_process
+def test_without_thread_multiple_the_python_engine_runs(tmp_path):
+    # MPI_THREAD_SERIALIZED: enough for the Python engine (Python's lock
+    # serialises its MPI calls), not for kernels calling MPI on TF's threads.
+    code, out = _diagnose(2, tmp_path, MPI4PY_RC_THREAD_LEVEL="serialized")
+    assert code == 0 and _engines(out, 2) == ["python", "python"], out[-3000:]
+    assert out.count(FALLBACK) == 1 and "without MPI_THREAD_MULTIPLE" in out, out[-3000:]
+
+
+@pytest.mark.single_process
 @pytest.mark.parametrize(
     "value,says",
     [

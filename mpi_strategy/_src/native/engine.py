@@ -53,6 +53,13 @@ class Kernels:
     """The loaded library: its ops and the link to mpi4py's MPI."""
 
     def __init__(self) -> None:
+        if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+            # The Python engine's MPI calls are serialised by Python's lock;
+            # the kernels' are not (they run on TensorFlow's threads without it).
+            raise build.BuildError(
+                "MPI was initialized without MPI_THREAD_MULTIPLE, which kernels calling MPI "
+                "from TensorFlow's threads need (mpi4py.rc.thread_level)"
+            )
         path = build.library()
         self.path = path
         self.ops = tf.load_op_library(str(path))
