@@ -384,7 +384,7 @@ class Rendezvous:
     @property
     def seq(self) -> int:
         """The number of the last collective of this communicator (1, 2, ...)."""
-        return int(self.state[NativeState.SEQ])
+        return self._seq
 
     @property
     def _seq(self) -> int:
@@ -442,7 +442,7 @@ class Rendezvous:
         )
         assert everyone is not None  # (a data collective is never partial)
         if self.hashed:
-            if kind == ALLGATHER and self._hash_agreed:  # every rank's byte count
+            if kind == ALLGATHER:  # (agreed by hash: no record says the byte counts)
                 counts = np.empty(self._size, np.int64)
                 mine = np.array([data.size], np.int64)
                 self._comm.Allgather([mine, MPI.INT64_T], [counts, MPI.INT64_T])
@@ -533,17 +533,13 @@ class Rendezvous:
         as ``agree`` does."""
         record = received[self._rank].copy()
         self.disagreed = []
-
-        def exchange() -> np.ndarray:
-            mine = record[:_SIGNATURE_BYTES].view(np.int64)
-            if self.hashed and self._hashes_agree(mine, shapes, None):
-                received[...] = record  # (the kernel then reads the agreed rows)
-            else:
-                self._comm.Iallgather(record, received).Wait()
-            return received[:, :_SIGNATURE_BYTES].copy().view(np.int64)
-
         kind = _kind(int(record[:_SIGNATURE_BYTES].view(np.int64)[_KIND]))
-        self._settle(received[:, :_SIGNATURE_BYTES].copy().view(np.int64), kind, shapes, exchange)
+        self._settle(
+            received[:, :_SIGNATURE_BYTES].copy().view(np.int64),
+            kind,
+            shapes,
+            lambda: self._meet(record, received, shapes, None),
+        )
 
     def _exchange(
         self,
@@ -552,27 +548,36 @@ class Rendezvous:
         shapes: Sequence[Shape],
         timeout: float | None,
     ) -> np.ndarray:
-        """Every rank's signature (one row per rank); their records stay in
-        ``_received``. Hashed: this rank's signature in every row when the
-        hashes agree (``_hash_agreed``), else every rank's as gathered."""
-        self._hash_agreed = self.hashed and self._hashes_agree(mine, shapes, timeout)
-        if self._hash_agreed:
-            return np.broadcast_to(mine, (self._size, mine.size))
+        """Every rank's signature (one row per rank), from this rank's
+        signature ``mine`` and ``data`` (see ``_meet``)."""
         record = np.zeros(record_bytes(self._size), np.uint8)
         record[: mine.nbytes] = mine.view(np.uint8)
         if data is not None:
             record[mine.nbytes : mine.nbytes + data.size] = data
-        self._received = np.empty((self._size, record.size), np.uint8)
+        return self._meet(record, None, shapes, timeout)
+
+    def _meet(
+        self,
+        record: np.ndarray,
+        into: np.ndarray | None,
+        shapes: Sequence[Shape],
+        timeout: float | None,
+    ) -> np.ndarray:
+        """Every rank's signature (one row per rank); every rank's ``record``
+        lands in ``into`` (default: a new ``_received``). Hashed: when the
+        hashes agree (``_hash_agreed``), this rank's signature in every row
+        and no record gathered."""
+        mine = record[:_SIGNATURE_BYTES].view(np.int64)
+        self._hash_agreed = self.hashed and self._hashes_agree(mine, shapes, timeout)
+        if self._hash_agreed:
+            return np.broadcast_to(mine, (self._size, mine.size))
+        if into is None:
+            into = self._received = np.empty((self._size, record.size), np.uint8)
         # Always the non-blocking Allgather: MPI never matches a blocking
         # collective with a non-blocking one, and a save's meeting (no
         # timeout) may meet a collective that has one.
-        if timeout is None:
-            self._comm.Iallgather(record, self._received).Wait()
-        else:
-            self._announce()
-            self._wait(self._comm.Iallgather(record, self._received), mine, shapes, timeout)
-            self._collect_announcements()
-        return self._received[:, : mine.nbytes].copy().view(np.int64)
+        self._complete(lambda: self._comm.Iallgather(record, into), mine, shapes, timeout)
+        return into[:, :_SIGNATURE_BYTES].copy().view(np.int64)
 
     def _hashes_agree(
         self, mine: np.ndarray, shapes: Sequence[Shape], timeout: float | None
@@ -580,14 +585,29 @@ class Rendezvous:
         """Whether every rank's signature hashes alike: one Allreduce (max)
         of (hash, -hash) gives the largest and the smallest hash."""
         extremes = np.array([hash_of(mine), -hash_of(mine)], np.int64)
-        request = self._comm.Iallreduce(MPI.IN_PLACE, [extremes, MPI.INT64_T], op=MPI.MAX)
-        if timeout is None:
-            request.Wait()
-        else:
-            self._announce()
-            self._wait(request, mine, shapes, timeout)
-            self._collect_announcements()
+        self._complete(
+            lambda: self._comm.Iallreduce(MPI.IN_PLACE, [extremes, MPI.INT64_T], op=MPI.MAX),
+            mine,
+            shapes,
+            timeout,
+        )
         return bool(extremes[0] == -extremes[1])
+
+    def _complete(
+        self,
+        start: Callable[[], MPI.Request],
+        mine: np.ndarray,
+        shapes: Sequence[Shape],
+        timeout: float | None,
+    ) -> None:
+        """Starts a non-blocking exchange and waits for it; with a timeout,
+        announced to the other ranks first, then polled (``_wait``)."""
+        if timeout is None:
+            start().Wait()
+            return
+        self._announce()
+        self._wait(start(), mine, shapes, timeout)
+        self._collect_announcements()
 
     # -- disagreement --------------------------------------------------------
     def _raise_disagreement(self, everyone: np.ndarray, shapes: Sequence[Shape]) -> None:

@@ -210,14 +210,12 @@ class OrderedComm:
         self._chains[graph] = (outputs[0], count + 1)
         return list(outputs[1:])
 
-    def _native_allreduce(
-        self, op: str, shapes: Sequence[tuple[int, ...]] | None, timeout: float | None
-    ) -> Callable[[tf.Tensor, Sequence[tf.Tensor]], Sequence[tf.Tensor]] | None:
-        """The compiled allreduce, when it can run this one (static shapes, no timeout)."""
-        native = self._native
-        if native is None or shapes is None or timeout is not None:
-            return None
-        return lambda token, tensors: native.allreduce(token, tensors, op, shapes)
+    def _kernels_for(
+        self, timeout: float | None, shapes_known: bool
+    ) -> native_engine.NativeComm | None:
+        """The native engine, when its kernels can run a collective: shapes
+        known when tracing, and no timeout (the Python engine polls for it)."""
+        return self._native if timeout is None and shapes_known else None
 
     # -- collectives -----------------------------------------------------------
     def allreduce_sum(self, x: tf.Tensor, timeout: float | None = None) -> tf.Tensor:
@@ -260,49 +258,62 @@ class OrderedComm:
             )
         if len(tensors) > 1 and _small_and_static(tensors):
             shapes = [tuple(t.shape) for t in tensors]
-            native = self._native
-            if native is not None and timeout is None and timeline_lib.current() is None:
-                # The kernel takes them as they are (no concat and split ops),
+            kernels = self._kernels_for(timeout, True)
+            if kernels is not None:
+                # The kernel takes them as they are (no concat and split ops)
                 # and sends the bytes of their concatenation, as below.
                 return self._ordered_call(
                     "MPIAllreduce",
-                    self._allreduce(op, shapes, timeout),  # (not used: no timeline)
+                    self._allreduce(op, shapes, timeout, concatenate=True),
                     tensors,
                     [t.dtype for t in tensors],
-                    lambda token, ins: native.allreduce(token, ins, op, shapes, contiguous=True),
+                    lambda token, ins: kernels.allreduce(token, ins, op, shapes, contiguous=True),
                 )
             flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
             (summed,) = self._ordered_call(
-                "MPIAllreduce",
-                self._allreduce(op, shapes, timeout),
-                [flat],
-                [flat.dtype],
-                self._native_allreduce(op, shapes, timeout),
+                "MPIAllreduce", self._allreduce(op, shapes, timeout), [flat], [flat.dtype]
             )
             parts = tf.split(summed, [math.prod(shape) for shape in shapes])
             return [tf.reshape(part, shape) for part, shape in zip(parts, shapes)]
+        static = all(t.shape.is_fully_defined() for t in tensors)
+        shapes = [tuple(t.shape) for t in tensors] if static else []
+        native = self._kernels_for(timeout, static)
         outs = self._ordered_call(
             "MPIAllreduce",
             self._allreduce(op, None, timeout),
             tensors,
             [t.dtype for t in tensors],
-            self._native_allreduce(op, native_engine.static_shapes(tensors), timeout),
+            None
+            if native is None
+            else (lambda token, ins: native.allreduce(token, ins, op, shapes)),
         )
         for out, t in zip(outs, tensors):
             out.set_shape(t.shape)
         return outs
 
     def _allreduce(
-        self, op: str, shapes: list[tuple[int, ...]] | None, timeout: float | None
+        self,
+        op: str,
+        shapes: list[tuple[int, ...]] | None,
+        timeout: float | None,
+        concatenate: bool = False,
     ) -> Callable[..., list[np.ndarray]]:
         """The numpy function of an allreduce; ``shapes``: the tensors' shapes when
-        they arrive concatenated (the agreement compares these), else None."""
+        they arrive concatenated (the agreement compares these), else None.
+        ``concatenate``: they arrive apart and are concatenated here (what a
+        native kernel sends with ``contiguous``; only while a timeline records)."""
         collectives = self.collectives
 
         def allreduce(token: int, *arrays: np.ndarray) -> list[np.ndarray]:
             return collectives.allreduce(arrays, op, shapes, timeout, token)
 
-        return allreduce
+        def concatenated(token: int, *arrays: np.ndarray) -> list[np.ndarray]:
+            flat = np.concatenate([a.reshape(-1) for a in arrays])
+            (out,) = collectives.allreduce([flat], op, shapes, timeout, token)
+            ends = np.cumsum([a.size for a in arrays])[:-1]
+            return [part.reshape(a.shape) for part, a in zip(np.split(out, ends), arrays)]
+
+        return concatenated if concatenate else allreduce
 
     def allgather(self, x: tf.Tensor, timeout: float | None = None) -> tf.Tensor:
         """Concatenation along axis 0 of ``x`` from every rank, in rank order.
@@ -329,16 +340,16 @@ class OrderedComm:
         def allgatherv(token: int, *arrays: np.ndarray) -> list[np.ndarray]:
             return collectives.allgather(arrays, timeout, token)
 
-        native = self._native
-        compiled = None
-        if (
-            native is not None
-            and timeout is None
-            and all(x.shape.rank is not None and x.shape[1:].is_fully_defined() for x in tensors)
-        ):
-            compiled = lambda token, ins: native.allgather(token, ins)  # noqa: E731
+        native = self._kernels_for(
+            timeout,
+            all(x.shape.rank is not None and x.shape[1:].is_fully_defined() for x in tensors),
+        )
         outs = self._ordered_call(
-            "MPIAllgather", allgatherv, tensors, [x.dtype for x in tensors], compiled
+            "MPIAllgather",
+            allgatherv,
+            tensors,
+            [x.dtype for x in tensors],
+            None if native is None else native.allgather,
         )
         for out, x in zip(outs, tensors):
             out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
@@ -376,11 +387,14 @@ class OrderedComm:
         def bcast(token: int, array: np.ndarray) -> list[np.ndarray]:
             return [collectives.broadcast(array, root, timeout, token)]
 
-        native = self._native
-        compiled = None
-        if native is not None and timeout is None and x.shape.is_fully_defined():
-            compiled = lambda token, tensors: native.broadcast(token, tensors[0], root)  # noqa: E731
-        (out,) = self._ordered_call("MPIBroadcast", bcast, [x], [x.dtype], compiled)
+        native = self._kernels_for(timeout, x.shape.is_fully_defined())
+        (out,) = self._ordered_call(
+            "MPIBroadcast",
+            bcast,
+            [x],
+            [x.dtype],
+            None if native is None else (lambda token, xs: native.broadcast(token, xs[0], root)),
+        )
         out.set_shape(x.shape)
         return out
 

@@ -49,6 +49,10 @@ _ERRORS: dict[int, BaseException] = {}  # the Python exception behind a kernel's
 _ids = itertools.count(1)
 
 
+class Unavailable(RuntimeError):
+    """The kernels cannot run here (the message says why)."""
+
+
 class Kernels:
     """The loaded library: its ops and the link to mpi4py's MPI."""
 
@@ -56,12 +60,11 @@ class Kernels:
         if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
             # The Python engine's MPI calls are serialised by Python's lock;
             # the kernels' are not (they run on TensorFlow's threads without it).
-            raise build.BuildError(
+            raise Unavailable(
                 "MPI was initialized without MPI_THREAD_MULTIPLE, which kernels calling MPI "
                 "from TensorFlow's threads need (mpi4py.rc.thread_level)"
             )
         path = build.library()
-        self.path = path
         self.ops = tf.load_op_library(str(path))
         init = ctypes.CDLL(str(path)).mpi_strategy_native_init
         handle = ctypes.c_ssize_t
@@ -75,7 +78,7 @@ class Kernels:
             _resolve_callback,
         )
         if missing:
-            raise build.BuildError(
+            raise Unavailable(
                 f"the MPI library mpi4py loaded ({mpi4py.MPI.__file__}) was not found "
                 f"or lacks a function (code {missing})"
             )
@@ -93,7 +96,7 @@ def kernels() -> Kernels | None:
         return None
     try:
         return Kernels()
-    except (build.BuildError, tf.errors.NotFoundError, OSError) as error:
+    except (Unavailable, build.BuildError, tf.errors.NotFoundError, OSError) as error:
         if mode == "native":
             raise MPIStrategyError(
                 f"mpi_strategy: {KERNELS_ENV}=native, but the native kernels are unavailable "
@@ -151,7 +154,7 @@ class NativeComm:
             mpi_op=as_int64(mpi_op.handle),
             mpi_dtype=as_int64(MPI.Datatype.fromcode(np.dtype(dtype).char).handle),
             contiguous=int(contiguous),
-            **self._site(kind, shapes, dtype),
+            **self._site(kind, shapes, [dtype]),
         )
         return [next_token, *outputs]
 
@@ -165,7 +168,7 @@ class NativeComm:
             input=tensor,
             root=root,
             **self._site(
-                rendezvous_lib.BROADCAST, shapes, tensor.dtype.as_numpy_dtype, f"root {root}"
+                rendezvous_lib.BROADCAST, shapes, [tensor.dtype.as_numpy_dtype], f"root {root}"
             ),
         )
 
@@ -184,10 +187,11 @@ class NativeComm:
         return [next_token, *outputs]
 
     def _site(
-        self, kind: rendezvous_lib.Kind, shapes: Sequence[Shape], dtype: Any, tag: str = ""
+        self, kind: rendezvous_lib.Kind, shapes: Sequence[Shape], dtypes: list[Any], tag: str = ""
     ) -> dict[str, int]:
-        dtypes = [np.dtype(d) for d in (dtype if isinstance(dtype, list) else [dtype])]
-        code, count, layout = rendezvous_lib.layout(shapes, dtypes, tag)
+        """The attributes that fix a kernel's record: what ``signature``
+        computes from these arguments, and where the shared state is."""
+        code, count, layout = rendezvous_lib.layout(shapes, [np.dtype(d) for d in dtypes], tag)
         return {
             "state": self._state,
             "site": _site_id(shapes),
@@ -201,13 +205,6 @@ class NativeComm:
     def take_error(self) -> BaseException | None:
         """The Python exception behind this communicator's last kernel error (once)."""
         return _ERRORS.pop(self.id, None)
-
-
-def static_shapes(tensors: Sequence[tf.Tensor]) -> list[tuple[int, ...]] | None:
-    """The tensors' shapes when all are known when tracing, else None."""
-    if not all(t.shape.is_fully_defined() for t in tensors):
-        return None
-    return [tuple(t.shape) for t in tensors]
 
 
 def _site_id(shapes: Sequence[Shape]) -> int:
