@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_strategy._src.core import rendezvous
+from mpi_strategy._src.core import protocol as wire_protocol
 from mpi_strategy._src.distribute.ops import OrderedComm
 from mpi_strategy._src.native import engine as native_engine
 from mpi_strategy.errors import CollectiveMismatchError
@@ -27,18 +27,18 @@ pytestmark = [
 @pytest.fixture(scope="module", params=["gathered", "hashed"])
 def protocol(request):
     """How the ranks agree: by gathering every rank's record, or (as above
-    rendezvous.HASHED_ABOVE ranks) by comparing a hash."""
+    protocol.HASHED_ABOVE ranks) by comparing a hash."""
     return request.param
 
 
 def _ordered_comm(protocol):
-    hashed_above = rendezvous.HASHED_ABOVE
+    hashed_above = wire_protocol.HASHED_ABOVE
     if protocol == "hashed":
-        rendezvous.HASHED_ABOVE = 0
+        wire_protocol.HASHED_ABOVE = 0
     try:
         ordered = OrderedComm(WORLD)
     finally:
-        rendezvous.HASHED_ABOVE = hashed_above
+        wire_protocol.HASHED_ABOVE = hashed_above
     if ordered._native is None:
         pytest.skip("the native kernels are not in use (MPI_STRATEGY_KERNELS)")
     assert ordered.rendezvous.hashed == (protocol == "hashed")

@@ -22,7 +22,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from numpy.typing import DTypeLike
 
-ALIGN_BYTES = 64
+from mpi_strategy._src.core import protocol
+
+ALIGN_BYTES = protocol.PACK_ALIGN  # (also what TensorFlow adopts without a copy)
 _POOLED_MIN_BYTES = 1 << 16  # smaller buffers come from malloc's heap, no page faults
 _POOL_SIZE = 4
 

@@ -30,15 +30,14 @@ import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
-from mpi_strategy._src.core import rendezvous as rendezvous_lib, ulfm
+from mpi_strategy._src.core import protocol, rendezvous as rendezvous_lib, ulfm
 from mpi_strategy._src.core.collectives import REDUCTIONS, Collectives
 from mpi_strategy._src.core.errors import MPIStrategyError
-from mpi_strategy._src.core.rendezvous import NativeState, Shape, as_int64
+from mpi_strategy._src.core.protocol import Event, Op, State
+from mpi_strategy._src.core.rendezvous import Shape, as_int64
 from mpi_strategy._src.native import build
 
 KERNELS_ENV = "MPI_STRATEGY_KERNELS"
-_OPS = ("sum", "min", "max", "product")  # the kernels' op numbers
-_DISAGREEMENT, _MPI_ERROR, _BLOCKED = 1, 2, 3  # events (kernels.cc)
 _UNKNOWN = 2  # TF_Code of an exception that is not a tf.errors class
 
 _COMMS: dict[int, weakref.ref[Collectives]] = {}
@@ -65,8 +64,11 @@ class Kernels:
                 "from TensorFlow's threads need (mpi4py.rc.thread_level)"
             )
         path = build.library()
+        # TensorFlow first: it takes the ops registered while it loads the library.
         self.ops = tf.load_op_library(str(path))
-        init = ctypes.CDLL(str(path)).mpi_strategy_native_init
+        library = ctypes.CDLL(str(path))
+        check_protocol(library, path)
+        init = library.mpi_strategy_native_init
         handle = ctypes.c_ssize_t
         init.argtypes = [ctypes.c_char_p, handle, handle, handle, handle, _Resolve]
         missing = init(
@@ -82,6 +84,29 @@ class Kernels:
                 f"the MPI library mpi4py loaded ({mpi4py.MPI.__file__}) was not found "
                 f"or lacks a function (code {missing})"
             )
+
+
+def check_protocol(library: ctypes.CDLL, path: object) -> None:
+    """Raises ``Unavailable`` unless ``library`` was compiled with this
+    Python's wire protocol (``core/protocol.py``), naming what differs."""
+    try:
+        report = library.mpi_strategy_protocol
+    except AttributeError:  # (built before the protocol was checked)
+        report = ctypes.CFUNCTYPE(ctypes.c_char_p)(lambda: b"")
+    report.restype = ctypes.c_char_p
+    reported = report() or b""
+    theirs = dict(item.split("=") for item in reported.decode().split(";") if item)
+    ours = dict(item.split("=") for item in protocol.fingerprint().split(";") if item)
+    differ = [
+        f"{name}: {theirs.get(name, 'missing')} there, {ours.get(name, 'missing')} here"
+        for name in sorted(set(theirs) | set(ours))
+        if theirs.get(name) != ours.get(name)
+    ]
+    if differ:
+        raise Unavailable(
+            f"the kernels at {path} speak another wire protocol than core/protocol.py "
+            f"({'; '.join(differ[:4])}): rebuild them (remove the file)"
+        )
 
 
 @functools.cache
@@ -125,9 +150,9 @@ class NativeComm:
         self.id = next(_ids)
         _COMMS[self.id] = weakref.ref(collectives)
         state = collectives.rendezvous.state
-        state[NativeState.ENGINE] = self.id
+        state[State.ENGINE] = self.id
         _STATES.append(state)
-        weakref.finalize(collectives, state.__setitem__, NativeState.BLOCKED, 1)
+        weakref.finalize(collectives, state.__setitem__, State.BLOCKED, 1)
         self._state = state.ctypes.data
 
     @tf.autograph.experimental.do_not_convert
@@ -150,7 +175,7 @@ class NativeComm:
             name="MPIAllreduce",
             token=token,
             inputs=list(tensors),
-            op=_OPS.index(op),
+            op=Op[op.upper()].value,
             mpi_op=as_int64(mpi_op.handle),
             mpi_dtype=as_int64(MPI.Datatype.fromcode(np.dtype(dtype).char).handle),
             contiguous=int(contiguous),
@@ -224,9 +249,9 @@ def _resolve(
         collectives = _COMMS[engine]()
         if collectives is None:
             raise MPIStrategyError("mpi_strategy: a collective ran on a freed communicator.")
-        if event == _BLOCKED:
+        if event == Event.BLOCKED:
             collectives.guarded(lambda: None)()
-        elif event == _MPI_ERROR:
+        elif event == Event.MPI_ERROR:
             error = MPI.Exception(value)
             if ulfm.is_process_failure(error):
                 raise collectives.ranks_lost(error) from error
@@ -248,7 +273,7 @@ def _resolve(
 
 
 def record_width(collectives: Collectives) -> int:
-    return int(collectives.rendezvous.state[NativeState.RECORD_BYTES])
+    return int(collectives.rendezvous.state[State.RECORD_BYTES])
 
 
 _Resolve = ctypes.CFUNCTYPE(

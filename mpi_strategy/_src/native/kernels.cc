@@ -3,8 +3,8 @@
 // headers, so one source builds against every TensorFlow release since 2.16.
 //
 // Each kernel does in C what core/collectives.py does in Python, byte for
-// byte: the same agreement record (core/rendezvous.py: a signature of 10
-// int64 fields, then carried data), the same non-blocking Allgather of it,
+// byte: the same agreement record (a signature of int64 fields, then carried
+// data), the same non-blocking Allgather of it,
 // the same MPI call for the data, the same order of operations when small
 // data is reduced from the records. A rank on this path and a rank on the
 // Python path therefore meet in the same collectives and compute the same
@@ -12,6 +12,12 @@
 // become attributes) and on the error path: a disagreement, an MPI error or a
 // retired communicator calls back into Python (ctypes), which writes the same
 // messages and chooses the same error classes as the Python path.
+//
+// The wire protocol's constants (the signature's fields, the shared state's
+// layout, event and op codes, the hash's constants, alignments) are not
+// written here: they come from core/protocol.py, as the header the build
+// generates, and mpi_strategy_protocol() reports them as compiled, which the
+// loader compares with Python's before any kernel runs.
 //
 // MPI is not linked: the kernel finds MPI's functions through the library
 // mpi4py loaded (dlopen RTLD_NOLOAD + dlsym), and takes every handle
@@ -41,8 +47,11 @@
 #include "tensorflow/c/tf_datatype.h"
 #include "tensorflow/c/tf_status.h"
 #include "tensorflow/c/tf_tensor.h"
+#include "mpi_strategy_protocol.h"
 
 namespace {
+
+using namespace protocol;  // NOLINT (the protocol is this file's vocabulary)
 
 using Handle = intptr_t;
 
@@ -69,19 +78,9 @@ using Resolve = int (*)(int64_t engine, int64_t event, int64_t site, void* recei
                         int64_t value, char* message, int64_t capacity);
 Resolve resolve = nullptr;
 
-enum Event : int64_t { kDisagreement = 1, kMpiError = 2, kBlocked = 3 };
-
-// The per-communicator state, shared with Python (core/rendezvous.py
-// NATIVE_STATE: an int64 array Python owns); the ordering token serializes
-// every collective of a communicator, so one kernel at a time touches it.
-struct State {
-  int64_t seq, token, solo, blocked, agree_comm, data_comm, record_bytes, rank, size,
-      engine, carry_bytes, hashed;
-};
-
-// The signature fields (core/rendezvous.py).
-enum Field { kSeq, kKind, kDtype, kCount, kTensors, kLayout, kSolo, kToken, kRows, kBytes };
-constexpr int kSignatureBytes = 8 * 10;
+// State: the per-communicator state, shared with Python (an int64 array
+// Python owns, protocol.State); the ordering token serializes every
+// collective of a communicator, so one kernel at a time touches it.
 
 // Packed buffers handed to TensorFlow as the outputs themselves (no copy
 // out), reused once TensorFlow has released every output (as core/buffers.py
@@ -140,7 +139,7 @@ class Pool {
 struct Site {
   State* state = nullptr;
   int64_t site = 0, kind = 0, dtype_code = 0, count = 0, tensors = 0, layout = 0, root = 0;
-  int64_t op = 0;  // 0 sum, 1 min, 2 max, 3 product
+  int64_t op = kSum;  // (protocol.Op)
   int64_t contiguous = 0;  // 1: tensors packed back to back (as concatenated)
   Handle mpi_dtype = 0, mpi_op = 0;
   std::vector<uint8_t> record, received, scratch;
@@ -199,12 +198,23 @@ const int64_t* Signature(const Site& site, int64_t rank) {
                                           rank * site.state->record_bytes);
 }
 
-// The hashed agreement's hash of the fields that must agree (rendezvous.hash_of).
+constexpr int kMustAgreeBytes = 8 * (kMustAgreeLast - kMustAgreeFirst + 1);
+
+// The hashed agreement's hash of the fields that must agree (protocol.hash_of).
 int64_t HashOf(const int64_t* signature) {
-  uint64_t h = 0xCBF29CE484222325ull;
-  const auto* bytes = reinterpret_cast<const uint8_t*>(signature + kKind);
-  for (int i = 0; i < 8 * (kToken - kKind + 1); ++i) h = (h ^ bytes[i]) * 0x100000001B3ull;
+  uint64_t h = kFnvOffset;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(signature + kMustAgreeFirst);
+  for (int i = 0; i < kMustAgreeBytes; ++i) h = (h ^ bytes[i]) * kFnvPrime;
   return static_cast<int64_t>(h >> 1);
+}
+
+// Every rank learns a notice from the same exchange: the first one is kept
+// (Rendezvous._heard).
+void Heard(State& state, int64_t notice) {
+  if (notice != 0 && state.noticed == 0) {
+    state.noticed = notice;
+    state.noticed_at = state.seq;
+  }
 }
 
 bool Wait(TF_OpKernelContext* ctx, const Site& site, int rc, Handle* request) {
@@ -213,15 +223,16 @@ bool Wait(TF_OpKernelContext* ctx, const Site& site, int rc, Handle* request) {
   return MpiOk(ctx, site, rc);
 }
 
-// Above rendezvous.HASHED_ABOVE ranks: whether every rank's hash is this
-// one's (one Allreduce, max, of (hash, -hash)).
+// Above protocol.HASHED_ABOVE ranks: whether every rank's hash is this
+// one's (one Allreduce, max, of (hash, -hash, notice)).
 bool HashesAgree(TF_OpKernelContext* ctx, const Site& site, const int64_t* signature,
                  bool* agreed) {
-  int64_t extremes[2] = {HashOf(signature), -HashOf(signature)};
+  int64_t extremes[3] = {HashOf(signature), -HashOf(signature), signature[kNotice]};
   Handle request = 0;
-  int rc = mpi.Iallreduce(reinterpret_cast<void*>(mpi.in_place), extremes, 2, mpi.int64, mpi.max,
+  int rc = mpi.Iallreduce(reinterpret_cast<void*>(mpi.in_place), extremes, 3, mpi.int64, mpi.max,
                           static_cast<Handle>(site.state->agree_comm), &request);
   if (!Wait(ctx, site, rc, &request)) return false;
+  Heard(*site.state, extremes[2]);
   *agreed = extremes[0] == -extremes[1];
   return true;
 }
@@ -238,8 +249,18 @@ bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
   state.seq += 1;
   const int64_t step = token - state.token;
   state.token = token;
-  int64_t signature[10] = {state.seq, site.kind, site.dtype_code, site.count, site.tensors,
-                           site.layout, state.solo, step, rows, nbytes};
+  int64_t signature[kFields] = {};
+  signature[kSeq] = state.seq;
+  signature[kKind] = site.kind;
+  signature[kDtype] = site.dtype_code;
+  signature[kCount] = site.count;
+  signature[kTensors] = site.tensors;
+  signature[kLayout] = site.layout;
+  signature[kSolo] = state.solo;
+  signature[kToken] = step;
+  signature[kRows] = rows;
+  signature[kBytes] = nbytes;
+  signature[kNotice] = state.notice;
   std::memcpy(site.record.data(), signature, kSignatureBytes);
   if (nbytes <= state.carry_bytes && nbytes > 0 && !state.hashed) {
     std::memcpy(site.record.data() + kSignatureBytes, data, nbytes);
@@ -257,9 +278,13 @@ bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
   if (!Wait(ctx, site, rc, &request)) return false;
   const int64_t* first = Signature(site, 0);
   bool differ = false;
-  for (int64_t r = 1; r < size && !differ; ++r) {
-    differ = std::memcmp(Signature(site, r) + kKind, first + kKind, 8 * (kToken - kKind + 1));
+  int64_t notice = 0;
+  for (int64_t r = 0; r < size; ++r) {
+    const int64_t* theirs = Signature(site, r);
+    differ |= std::memcmp(theirs + kMustAgreeFirst, first + kMustAgreeFirst, kMustAgreeBytes) != 0;
+    notice = std::max(notice, theirs[kNotice]);
   }
+  Heard(state, notice);
   // Python settles a disagreement: it raises, or (a save some ranks are in)
   // meets again until this collective agrees, leaving the records here.
   if (differ && !AskPython(ctx, site, kDisagreement, 0)) return false;
@@ -277,13 +302,13 @@ const uint8_t* CarriedData(const Site& site, int64_t rank) {
 template <typename T>
 T Combine(int64_t op, T a, T b) {
   switch (op) {
-    case 1:
+    case kMin:
       if constexpr (std::is_floating_point_v<T>) return (a <= b || std::isnan(a)) ? a : b;
       return a <= b ? a : b;
-    case 2:
+    case kMax:
       if constexpr (std::is_floating_point_v<T>) return (a >= b || std::isnan(a)) ? a : b;
       return a >= b ? a : b;
-    case 3:
+    case kProduct:
       return static_cast<T>(a * b);
     default:
       return static_cast<T>(a + b);
@@ -426,7 +451,7 @@ void AllreducePacked(TF_OpKernelContext* ctx, Site& site, int64_t token, int n,
       for (TF_Tensor* input : inputs) TF_DeleteTensor(input);
       return;
     }
-    const int64_t align = std::max<int64_t>(64, TF_DataTypeSize(dtype));
+    const int64_t align = std::max<int64_t>(kPackAlign, TF_DataTypeSize(dtype));
     std::vector<int64_t> starts;
     int64_t nbytes = 0;
     for (TF_Tensor* input : inputs) {
@@ -528,10 +553,10 @@ void BroadcastCompute(void* kernel, TF_OpKernelContext* ctx) {
   TF_DeleteStatus(status);
 }
 
-int64_t Padded(int64_t nbytes) { return (nbytes + 7) / 8 * 8; }  // (core/wire.py)
+int64_t Padded(int64_t nbytes) { return (nbytes + kPieceAlign - 1) / kPieceAlign * kPieceAlign; }
 
 // What one rank sends in an all-gather (core/wire.py concat_bytes): its row
-// count of each tensor, then each tensor's bytes, each piece padded to 8 bytes.
+// count of each tensor, then each tensor's bytes, each piece padded to kPieceAlign.
 struct Rows {
   std::vector<int64_t> rows, row_bytes;
   int64_t total_rows = 0;
@@ -691,6 +716,13 @@ struct Registration {
 } registration;
 
 }  // namespace
+
+// The protocol's constants as compiled (protocol.fingerprint()'s format): the
+// loader refuses a library whose report differs from Python's.
+extern "C" const char* mpi_strategy_protocol() {
+  static const std::string report = Describe();
+  return report.c_str();
+}
 
 // Called once from Python (ctypes) before any kernel runs: where MPI is, the
 // handles that differ between MPI libraries, and the way back to Python.
