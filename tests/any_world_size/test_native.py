@@ -12,11 +12,17 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_strategy._src.core import protocol as wire_protocol
 from mpi_strategy._src.distribute.ops import OrderedComm
 from mpi_strategy._src.native import engine as native_engine
 from mpi_strategy.errors import CollectiveMismatchError
-from mpi_testing import RANK, SIZE, WORLD, assert_same_on_all_ranks, on_python_engine
+from mpi_testing import (
+    RANK,
+    SIZE,
+    WORLD,
+    assert_same_on_all_ranks,
+    on_python_engine,
+    ordered_comm,
+)
 
 pytestmark = [
     pytest.mark.device_agnostic,
@@ -32,16 +38,9 @@ def protocol(request):
 
 
 def _ordered_comm(protocol):
-    hashed_above = wire_protocol.HASHED_ABOVE
-    if protocol == "hashed":
-        wire_protocol.HASHED_ABOVE = 0
-    try:
-        ordered = OrderedComm(WORLD)
-    finally:
-        wire_protocol.HASHED_ABOVE = hashed_above
+    ordered = ordered_comm(hashed=protocol == "hashed")
     if ordered._native is None:
         pytest.skip("the native kernels are not in use (MPI_STRATEGY_KERNELS)")
-    assert ordered.rendezvous.hashed == (protocol == "hashed")
     return ordered
 
 

@@ -72,9 +72,7 @@ class Collectives:
         self.rendezvous = rendezvous_lib.Rendezvous(
             comm, name_missing_ranks, mismatch_error, timeout_error
         )
-        self.rendezvous.state[State.DATA_COMM] = rendezvous_lib.as_int64(
-            self.comm.handle
-        )
+        self.rendezvous.state[State.DATA_COMM] = rendezvous_lib.as_int64(self.comm.handle)
         self.number = next(_numbers)
         self.failed = False  # a rank died (see RanksLostError)
         self._retired: Callable[[], Exception] | None = None

@@ -17,10 +17,10 @@ costs the Allgather, then its own MPI call.
 Above ``protocol.HASHED_ABOVE`` (1024) ranks, gathering every record would
 cost O(ranks) bytes per rank per collective; there the ranks compare a 63-bit
 hash of what must agree instead (one Allreduce of 24 bytes: the largest hash,
-minus the smallest, and the largest preemption notice), gather the records only when the hashes differ (to
-explain the disagreement, or to settle a save that some ranks are in), carry
-no data, and an all-gather learns each rank's byte count in one more small
-Allgather.
+minus the smallest, and the largest preemption notice), gather the records
+only when the hashes differ (to explain the disagreement, or to settle a save
+that some ranks are in), carry no data, and an all-gather learns each rank's
+byte count in one more small Allgather.
 
 With ``CommunicationOptions(timeout_seconds=T)`` the Allgather is non-blocking
 and polled, and each rank tells the others (a few bytes, point to point) the
@@ -186,6 +186,20 @@ _DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
 
 _ANNOUNCE_TAG = 7
 
+# This process's preemption notice (0: none), and the agreements that carry it.
+_notices: dict[str, Any] = {"posted": 0, "live": weakref.WeakSet()}
+
+
+def post_notice(signum: int) -> None:
+    """This rank received a preemption notice (signal ``signum``): every
+    later agreement of every communicator carries it to the other ranks, who
+    learn it from the same collective (``Rendezvous.noticed``). The first
+    notice stays. Safe in a signal handler (it sets integers)."""
+    if not _notices["posted"]:
+        _notices["posted"] = signum
+        for rendezvous in list(_notices["live"]):
+            rendezvous.notice = signum
+
 
 def as_int64(handle: int) -> int:
     """An MPI handle from mpi4py (MPICH's are ints that mpi4py may give
@@ -324,6 +338,8 @@ class Rendezvous:
         # meeting this rank is in live in ``state``, which compiled kernels
         # share (``State``).
         self.state = np.zeros(len(State), np.int64)
+        self.state[State.NOTICE] = _notices["posted"]
+        _notices["live"].add(self)
         self.state[State.RECORD_BYTES] = record_bytes(self._size)
         self.state[State.CARRY_BYTES] = self.carry_bytes
         self.state[State.RANK], self.state[State.SIZE] = self._rank, self._size
@@ -571,18 +587,23 @@ class Rendezvous:
 
     @property
     def notice(self) -> int:
-        """This rank's preemption notice, which every later record carries (0: none)."""
+        """This rank's preemption notice, which every later record carries
+        (0: none; ``post_notice`` sets it)."""
         return int(self.state[State.NOTICE])
 
     @notice.setter
     def notice(self, signum: int) -> None:
-        self.state[State.NOTICE] = signum
+        if not self.state[State.NOTICE]:
+            self.state[State.NOTICE] = signum
 
     @property
     def noticed(self) -> tuple[int, int] | None:
         """``(signal number, collective number)``: the first notice any rank
         sent, and the collective whose agreement carried it to every rank;
-        the same on every rank once that collective is done (None before)."""
+        the same on every rank once that collective is done (None before).
+        Alone (one rank, whose collectives meet no one), its own notice."""
+        if self._size == 1 and self.notice:
+            return self.notice, self._seq
         if not self.state[State.NOTICED]:
             return None
         return int(self.state[State.NOTICED]), int(self.state[State.NOTICED_AT])
