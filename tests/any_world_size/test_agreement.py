@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from mpi_strategy._src.core import rendezvous as rendezvous_lib
+from mpi_strategy._src.core.protocol import State
 from mpi_testing import RANK, SIZE, assert_same_on_all_ranks, on_python_engine, ordered_comm
 
 pytestmark = pytest.mark.device_agnostic
@@ -19,7 +20,7 @@ ENGINES = [(engine, way) for engine in ("native", "python") for way in ("gathere
 @pytest.fixture(params=ENGINES, ids=["-".join(p) for p in ENGINES])
 def ordered(request):
     """A new OrderedComm on one engine, agreeing one way; no notice posted
-    on this rank before (the process-wide one is put back afterwards)."""
+    on this rank before, none left in any communicator after."""
     engine, way = request.param
     posted = rendezvous_lib._notices["posted"]
     rendezvous_lib._notices["posted"] = 0
@@ -30,6 +31,8 @@ def ordered(request):
         pytest.skip("the native kernels are not in use (MPI_STRATEGY_KERNELS)")
     yield ordered
     rendezvous_lib._notices["posted"] = posted
+    for live in rendezvous_lib._notices["live"]:  # (every rank alike: no notice left)
+        live.state[[State.NOTICE, State.NOTICED, State.NOTICED_AT]] = 0
 
 
 COLLECTIVES = {
@@ -47,7 +50,11 @@ def test_a_notice_on_the_last_rank_reaches_every_rank_in_the_next_collective(
     ordered, collective, in_function
 ):
     run = COLLECTIVES[collective]
-    call = tf.function(lambda: run(ordered)) if in_function else (lambda: run(ordered))
+    call = (
+        (lambda: run(ordered))
+        if not in_function
+        else tf.function(autograph=False)(lambda: run(ordered))
+    )
     rendezvous = ordered.rendezvous
     call()
     assert rendezvous.noticed is None

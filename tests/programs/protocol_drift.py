@@ -1,13 +1,12 @@
-"""The wire protocol's load-time check, against drift on either side.
+"""The wire protocol's load-time check, against drift on either side. Prints
+one line per case, ``<case>: accepted`` or ``<case>: refused: <reason>``.
 
-``python protocol_drift.py build DIR``: builds the native kernels twice into
-DIR, ``as_is.so`` as they are and ``cxx_drifted.so`` from a protocol header
-with one constant edited (the C++ side drifted).
+``python protocol_drift.py cxx DIR``: builds the kernels into DIR from a
+protocol header with one constant edited (the C++ side drifted), and checks it.
 
-``python protocol_drift.py check LIBRARY [python-drift]``: asks the loader to
-check LIBRARY against core/protocol.py, after changing one Python constant
-with ``python-drift`` (the Python side drifted); prints ``accepted`` or
-``refused: <reason>``. One library per process: loading one registers its ops.
+``python protocol_drift.py python``: checks the kernels as built (the cache),
+then again after one constant of core/protocol.py changed (the Python side
+drifted). One library per process: loading one registers its ops.
 """
 
 import ctypes
@@ -20,23 +19,26 @@ from mpi_strategy._src.native import build, engine
 DRIFTED_FROM, DRIFTED_TO = "kPieceAlign = 8", "kPieceAlign = 16"
 
 
-def main() -> None:
-    if sys.argv[1] == "build":
-        header = protocol.header()
-        assert DRIFTED_FROM in header, f"the header no longer holds {DRIFTED_FROM}"
-        build.compile_into(Path(sys.argv[2], "as_is.so"), header)
-        build.compile_into(
-            Path(sys.argv[2], "cxx_drifted.so"), header.replace(DRIFTED_FROM, DRIFTED_TO)
-        )
-        return
-    path = Path(sys.argv[2])
-    if sys.argv[3:] == ["python-drift"]:
-        protocol.PIECE_ALIGN = 16
+def check(case: str, path: Path) -> None:
     try:
         engine.check_protocol(ctypes.CDLL(str(path)), path)
-        print("accepted", flush=True)
+        print(f"{case}: accepted", flush=True)
     except engine.Unavailable as error:
-        print(f"refused: {error}", flush=True)
+        print(f"{case}: refused: {error}", flush=True)
+
+
+def main() -> None:
+    if sys.argv[1] == "cxx":
+        header = protocol.header()
+        assert DRIFTED_FROM in header, f"the header no longer holds {DRIFTED_FROM}"
+        drifted = Path(sys.argv[2], "cxx_drifted.so")
+        build.compile_into(drifted, header.replace(DRIFTED_FROM, DRIFTED_TO))
+        check("C++ side changed", drifted)
+    else:
+        built = build.library()
+        check("unchanged", built)
+        protocol.PIECE_ALIGN = 16
+        check("Python side changed", built)
 
 
 if __name__ == "__main__":
