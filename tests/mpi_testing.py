@@ -52,7 +52,7 @@ def mpi_calls(graph):
 def on_python_engine(ordered):
     """``ordered`` (an OrderedComm), made to run its collectives on the numpy
     engine even where the native kernels are in use."""
-    ordered._native = None
+    ordered._engines = [e for e in ordered._engines if e.name == "python"]
     return ordered
 
 

@@ -1,4 +1,4 @@
-"""The native engine: allreduce and broadcast as compiled TensorFlow kernels.
+"""The native engine: all-reduce, broadcast and all-gather as compiled TensorFlow kernels.
 
 ``MPI_STRATEGY_KERNELS`` chooses: ``native`` (build them or raise), ``python``
 (the numpy engine, ``core/collectives.py``), or unset / ``auto``: native when
@@ -71,6 +71,7 @@ class Kernels:
         init = library.mpi_strategy_native_init
         handle = ctypes.c_ssize_t
         init.argtypes = [ctypes.c_char_p, handle, handle, handle, handle, _Resolve]
+        init.restype = ctypes.c_char_p
         missing = init(
             mpi4py.MPI.__file__.encode(),
             int(MPI.IN_PLACE),
@@ -79,22 +80,20 @@ class Kernels:
             as_int64(MPI.MAX.handle),
             _resolve_callback,
         )
-        if missing:
+        if missing is not None:
             raise Unavailable(
-                f"the MPI library mpi4py loaded ({mpi4py.MPI.__file__}) was not found "
-                f"or lacks a function (code {missing})"
+                f"the MPI library mpi4py loaded ({mpi4py.MPI.__file__}) lacks "
+                f"{missing.decode()} (or was not found)"
             )
 
 
 def check_protocol(library: ctypes.CDLL, path: object) -> None:
     """Raises ``Unavailable`` unless ``library`` was compiled with this
     Python's wire protocol (``core/protocol.py``), naming what differs."""
-    try:
-        report = library.mpi_strategy_protocol
-    except AttributeError:  # (built before the protocol was checked)
-        report = ctypes.CFUNCTYPE(ctypes.c_char_p)(lambda: b"")
-    report.restype = ctypes.c_char_p
-    reported = report() or b""
+    reported = b""
+    if hasattr(library, "mpi_strategy_protocol"):  # (else built before it was checked)
+        library.mpi_strategy_protocol.restype = ctypes.c_char_p
+        reported = library.mpi_strategy_protocol() or b""
     theirs = dict(item.split("=") for item in reported.decode().split(";") if item)
     ours = dict(item.split("=") for item in protocol.fingerprint().split(";") if item)
     differ = [

@@ -726,30 +726,34 @@ extern "C" const char* mpi_strategy_protocol() {
 
 // Called once from Python (ctypes) before any kernel runs: where MPI is, the
 // handles that differ between MPI libraries, and the way back to Python.
-// Returns 0, or the number of the MPI function not found.
-extern "C" int mpi_strategy_native_init(const char* mpi4py_library, intptr_t in_place,
-                                        intptr_t byte, intptr_t int64, intptr_t max,
-                                        Resolve callback) {
+// Returns nullptr, or what was not found (the library, or an MPI function).
+namespace {
+template <typename F>
+bool Find(void* library, const char* name, F* function, const char** missing) {
+  *function = reinterpret_cast<F>(dlsym(library, name));
+  if (*function == nullptr && *missing == nullptr) *missing = name;
+  return *function != nullptr;
+}
+}  // namespace
+
+extern "C" const char* mpi_strategy_native_init(const char* mpi4py_library, intptr_t in_place,
+                                                intptr_t byte, intptr_t int64, intptr_t max,
+                                                Resolve callback) {
   void* library = dlopen(mpi4py_library, RTLD_NOLOAD | RTLD_LAZY);
-  if (library == nullptr) return -1;
-  mpi.Iallgather = reinterpret_cast<decltype(mpi.Iallgather)>(dlsym(library, "MPI_Iallgather"));
-  mpi.Wait = reinterpret_cast<decltype(mpi.Wait)>(dlsym(library, "MPI_Wait"));
-  mpi.Allreduce = reinterpret_cast<decltype(mpi.Allreduce)>(dlsym(library, "MPI_Allreduce"));
-  mpi.Bcast = reinterpret_cast<decltype(mpi.Bcast)>(dlsym(library, "MPI_Bcast"));
-  mpi.Allgatherv = reinterpret_cast<decltype(mpi.Allgatherv)>(dlsym(library, "MPI_Allgatherv"));
-  mpi.Iallreduce = reinterpret_cast<decltype(mpi.Iallreduce)>(dlsym(library, "MPI_Iallreduce"));
-  mpi.Allgather = reinterpret_cast<decltype(mpi.Allgather)>(dlsym(library, "MPI_Allgather"));
-  void* found[] = {reinterpret_cast<void*>(mpi.Iallgather), reinterpret_cast<void*>(mpi.Wait),
-                   reinterpret_cast<void*>(mpi.Allreduce), reinterpret_cast<void*>(mpi.Bcast),
-                   reinterpret_cast<void*>(mpi.Allgatherv), reinterpret_cast<void*>(mpi.Iallreduce),
-                   reinterpret_cast<void*>(mpi.Allgather)};
-  for (int i = 0; i < 7; ++i) {
-    if (found[i] == nullptr) return i + 1;
-  }
+  if (library == nullptr) return "the library";
+  const char* missing = nullptr;
+  Find(library, "MPI_Iallgather", &mpi.Iallgather, &missing);
+  Find(library, "MPI_Wait", &mpi.Wait, &missing);
+  Find(library, "MPI_Allreduce", &mpi.Allreduce, &missing);
+  Find(library, "MPI_Bcast", &mpi.Bcast, &missing);
+  Find(library, "MPI_Allgatherv", &mpi.Allgatherv, &missing);
+  Find(library, "MPI_Iallreduce", &mpi.Iallreduce, &missing);
+  Find(library, "MPI_Allgather", &mpi.Allgather, &missing);
+  if (missing != nullptr) return missing;
   mpi.in_place = in_place;
   mpi.byte = byte;
   mpi.int64 = int64;
   mpi.max = max;
   resolve = callback;
-  return 0;
+  return nullptr;
 }
