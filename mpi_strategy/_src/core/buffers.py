@@ -101,7 +101,7 @@ def pack(arrays: Sequence[np.ndarray], pool: BufferPool) -> tuple[np.ndarray, li
 
     The padding between them is zero, so one MPI call can reduce the whole
     buffer in place. Returns ``(buffer, views)``: ``buffer`` ends where the
-    last array does (the native kernels pack alike: native/kernels.cc), and a
+    last array does (the native kernels pack alike: native/kernels/allreduce.cc), and a
     view per array, in its shape, which TensorFlow can adopt as results
     without a copy.
     """

@@ -3,7 +3,7 @@
 Every collective starts with the agreement (``agreement.py``): each rank
 sends a fixed-size *record*, an int64 *signature* (``Field``) followed by
 carried data, and the ranks compare what must agree. The Python engine
-(``collectives.py``) and the compiled kernels (``native/kernels.cc``) must
+(``collectives.py``) and the compiled kernels (``native/kernels/``) must
 build, send and read these bytes alike, so that a rank on one meets a rank on
 the other. This module is the one place those rules are written: the C++
 side includes ``header()``, generated from these constants when the kernels

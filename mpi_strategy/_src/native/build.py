@@ -1,6 +1,6 @@
 """Compiling the native kernels: once per TensorFlow build and compiler, into a cache.
 
-The source (``kernels.cc``) includes only TensorFlow's C API headers, which
+The sources (``kernels/``) include only TensorFlow's C API headers, which
 ship in every TensorFlow wheel, and the wire protocol's header, generated
 here from ``core/protocol.py``; it links no MPI. The library goes to
 ``$MPI_STRATEGY_CACHE_DIR`` (default ``~/.cache/mpi_strategy``), named by a
@@ -24,8 +24,9 @@ import tensorflow as tf
 
 from mpi_strategy._src.core import protocol
 
-SOURCE = Path(__file__).with_name("kernels.cc")
-HEADER = "mpi_strategy_protocol.h"  # what kernels.cc includes: protocol.header()
+SOURCES = sorted(Path(__file__).with_name("kernels").glob("*.cc"))
+HEADERS = sorted(Path(__file__).with_name("kernels").glob("*.h"))
+HEADER = "mpi_strategy_protocol.h"  # what the sources include: protocol.header()
 
 
 class BuildError(RuntimeError):
@@ -57,7 +58,7 @@ def command(output: Path, include: Path) -> list[str]:
         "-fno-strict-aliasing",
         *tf.sysconfig.get_compile_flags(),
         f"-I{include}",
-        str(SOURCE),
+        *map(str, SOURCES),
         "-o",
         str(output),
         *tf.sysconfig.get_link_flags(),
@@ -75,7 +76,7 @@ def library() -> Path:
     flags = (tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags())
     header = protocol.header()
     key = hashlib.sha256(
-        SOURCE.read_bytes()
+        b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
         + header.encode()
         + repr((tf.__version__, flags, platform.machine())).encode()
     ).hexdigest()[:16]

@@ -242,7 +242,7 @@ def _site_id(shapes: Sequence[Shape]) -> int:
 def _resolve(
     engine: int, event: int, site: int, received: int, value: int, message: int, capacity: int
 ) -> int:
-    """A kernel's error path (kernels.cc ``AskPython``): 0 to go on, else a
+    """A kernel's error path (kernels/agreement.cc ``AskPython``): 0 to go on, else a
     TF_Code, with the message written to ``message``."""
     try:
         collectives = _COMMS[engine]()
