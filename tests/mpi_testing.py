@@ -36,7 +36,15 @@ def program(name):
 # The op types of an MPI collective in a graph: the numpy engine's
 # tf.numpy_function, or a native kernel (named like it: MPIAllreduce, ...).
 MPI_OP_TYPES = frozenset(
-    {"PyFunc", "MpiStrategyAllreduce", "MpiStrategyBroadcast", "MpiStrategyAllgather"}
+    {
+        "PyFunc",
+        "MpiStrategyAllreduce",
+        "MpiStrategyBroadcast",
+        "MpiStrategyAllgather",
+        "MpiStrategyAlltoall",
+        "MpiStrategyReducescatter",
+        "MpiStrategyBarrier",
+    }
 )
 
 

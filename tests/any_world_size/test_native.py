@@ -20,6 +20,8 @@ from mpi_testing import (
     SIZE,
     WORLD,
     assert_same_on_all_ranks,
+    gather_from_all_ranks,
+    mpi_calls,
     on_python_engine,
     ordered_comm,
 )
@@ -123,6 +125,51 @@ def test_allgather_gives_the_same_bits_on_both_engines(engines, rows):
     assert native[0].shape == (rows * sum((r + 1) * (r != 1) for r in range(SIZE)), 3)
 
 
+@pytest.mark.parametrize("rows", [1, 700], ids=["small", "large"])
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_reducescatter_gives_the_same_bits_on_both_engines(engines, rows, op):
+    # Uneven shares when rows % SIZE != 0: the first ranks one row more.
+    x = _random([rows * SIZE + SIZE // 2, 3], tf.float32)
+    native, python = _both(engines, lambda o: o.reducescatter(x, op), True)
+    _assert_same_bits(native, python)
+    assert native[0].shape[0] == rows + (1 if RANK < SIZE // 2 else 0)
+
+
+def test_alltoall_and_barrier_give_the_same_bits_on_both_engines(engines):
+    x = _random([SIZE, 1000], tf.int64)
+    native, python = _both(engines, lambda o: (o.alltoall(x), o.barrier()), True)
+    _assert_same_bits(native, python)
+    everyone = gather_from_all_ranks(x.numpy())
+    np.testing.assert_array_equal(native[0], everyone[:, RANK])
+
+
+def test_the_kernels_run_every_collective_but_the_alltoall_with_splits(engines):
+    native = engines[0]
+    x = tf.ones([SIZE, 2])
+
+    @tf.function
+    def step():
+        native.allreduce_sum(x)
+        native.broadcast(x)
+        native.allgather(x)
+        native.alltoall(x)
+        native.reducescatter(x)
+        native.barrier()
+        native.alltoallv(x, tf.ones([SIZE], tf.int32))
+
+    graph = step.get_concrete_function().graph
+    assert [op.type for _, op in mpi_calls(graph)] == [
+        "MpiStrategyAllreduce",
+        "MpiStrategyBroadcast",
+        "MpiStrategyAllgather",
+        "MpiStrategyAlltoall",
+        "MpiStrategyReducescatter",
+        "MpiStrategyBarrier",
+        "PyFunc",
+    ]
+    step()
+
+
 def test_ranks_on_different_engines_meet_in_the_same_collectives(protocol):
     # Odd ranks run the numpy engine, even ones the kernels: same bytes on the wire.
     ordered = _ordered_comm(protocol)
@@ -135,10 +182,15 @@ def test_ranks_on_different_engines_meet_in_the_same_collectives(protocol):
         large = ordered.allreduce_packed([tf.fill([5000], RANK + 1)], "max")[0]
         root = ordered.broadcast(tf.fill([2000], RANK), root=SIZE - 1)
         rows = ordered.allgather(tf.fill([RANK + 1, 2], RANK))
-        return small, large, root, rows
+        ordered.barrier()
+        share = ordered.reducescatter(tf.ones([SIZE, 2]))
+        swapped = ordered.alltoall(tf.fill([SIZE, 2], RANK))
+        return small, large, root, rows, share, swapped
 
     for _ in range(3):
-        small, large, root, rows = step()
+        small, large, root, rows, share, swapped = step()
+        np.testing.assert_array_equal(share, np.full([1, 2], SIZE))
+        np.testing.assert_array_equal(swapped[:, 0], np.arange(SIZE))
         np.testing.assert_array_equal(small, np.full(3, SIZE * (SIZE + 1) / 2))
         np.testing.assert_array_equal(large, np.full(5000, SIZE))
         np.testing.assert_array_equal(root, np.full(2000, SIZE - 1))

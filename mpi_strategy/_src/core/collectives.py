@@ -253,9 +253,9 @@ class Collectives:
         )
         return out, received
 
-    def barrier(self, timeout: float | None = None) -> None:
+    def barrier(self, timeout: float | None = None, token: int | None = None) -> None:
         """Returns once every rank has called it (with a timeout, naming the late ranks)."""
-        self.rendezvous.agree(BARRIER, np.uint8, [], timeout=timeout)
+        self.rendezvous.agree(BARRIER, np.uint8, [], timeout=timeout, token=token)
 
     def allgather(
         self, arrays: Arrays, timeout: float | None = None, token: int = 0

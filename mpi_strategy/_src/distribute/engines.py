@@ -6,13 +6,14 @@ engine sends the same bytes in the same MPI calls (``core/protocol.py``), so
 ranks whose collectives ran on different engines still meet correctly.
 
 - ``NativeEngine``: compiled kernels (``native/``), for the all-reduce, the
-  broadcast and the all-gather, when their shapes are known when tracing, no
-  timeout is asked for and no timeline records.
+  broadcast, the all-gather, the alltoall (equal splits), the reduce-scatter
+  and the barrier, when their shapes are known when tracing, no timeout is
+  asked for and no timeline records.
 - ``PythonEngine``: a ``tf.numpy_function`` calling ``core/collectives.py``;
   runs everything.
 
-What only the Python engine runs, and why: reduce-scatter, alltoall(v) and
-the barrier (no kernel written yet); a ``timeout_seconds`` (the polling and
+What only the Python engine runs, and why: the alltoall with splits (no
+kernel written yet); a ``timeout_seconds`` (the polling and
 the announcements of the missing ranks are Python); a recording timeline (its
 timestamps are taken in Python); shapes unknown when tracing (a kernel's
 agreement record is fixed when tracing).
@@ -156,12 +157,14 @@ class PythonEngine:
         if c.kind == "reducescatter":
             return lambda token, array: [run.reducescatter(array, c.op, c.timeout, token)]
         if c.kind == "barrier":
-            return lambda token: _after(run.barrier, c.timeout)
+            return lambda token: _after(run.barrier, c.timeout, token)
         raise ValueError(f"mpi_strategy: no collective kind {c.kind!r}")
 
 
-def _after(wait: Callable[[float | None], None], timeout: float | None) -> list[np.ndarray]:
-    wait(timeout)
+def _after(
+    wait: Callable[[float | None, int], None], timeout: float | None, token: int
+) -> list[np.ndarray]:
+    wait(timeout, token)
     return [np.int32(0)]
 
 
@@ -170,17 +173,24 @@ class NativeEngine:
 
     name = "native"
     device = HOST
-    KINDS = frozenset({"allreduce", "allgather", "broadcast"})
+    KINDS = frozenset(
+        {"allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier"}
+    )
 
     def __init__(self, kernels: NativeComm) -> None:
         self._kernels = kernels
 
     def runs(self, collective: Collective) -> bool:
+        shapes = collective.shapes
         return (
             collective.kind in self.KINDS
-            and collective.shapes is not None
+            and shapes is not None
             and collective.timeout is None
             and timeline_lib.current() is None
+            # (the Python engine explains an alltoall without one row per rank,
+            # and a reduce-scatter of a scalar)
+            and (collective.kind != "alltoall" or shapes[0][:1] == (self._kernels.size,))
+            and (collective.kind != "reducescatter" or len(shapes[0]) > 0)
         )
 
     def __call__(self, collective: Collective, token: tf.Tensor, inputs: Outputs) -> Outputs:
@@ -202,4 +212,10 @@ class NativeEngine:
             return self._kernels.allreduce(token, inputs, c.op, c.shapes, c.contiguous)
         if c.kind == "broadcast":
             return self._kernels.broadcast(token, inputs[0], c.root)
+        if c.kind == "alltoall":
+            return self._kernels.alltoall(token, inputs[0])
+        if c.kind == "reducescatter":
+            return self._kernels.reducescatter(token, inputs[0], c.op)
+        if c.kind == "barrier":
+            return self._kernels.barrier(token)
         return self._kernels.allgather(token, inputs)

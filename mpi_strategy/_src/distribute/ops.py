@@ -265,7 +265,8 @@ class OrderedComm:
         if self.size == 1:
             return tf.identity(x)
         (out,) = self._ordered_call(
-            Collective("alltoall", "MPIAlltoall", (x.dtype,), timeout=timeout), [x]
+            Collective("alltoall", "MPIAlltoall", (x.dtype,), shapes=_static([x]), timeout=timeout),
+            [x],
         )
         out.set_shape(x.shape)
         return out
@@ -301,7 +302,14 @@ class OrderedComm:
         rank gets its share of the rows (``core.collectives.row_split``)."""
         _check_not_xla("reducescatter")
         (out,) = self._ordered_call(
-            Collective("reducescatter", "MPIReducescatter", (x.dtype,), op=op, timeout=timeout),
+            Collective(
+                "reducescatter",
+                "MPIReducescatter",
+                (x.dtype,),
+                op=op,
+                shapes=_static([x]),
+                timeout=timeout,
+            ),
             [x],
         )
         out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
@@ -324,7 +332,7 @@ class OrderedComm:
     def barrier(self, timeout: float | None = None) -> tf.Tensor:
         """Returns (a scalar 0) once every rank has reached it."""
         (out,) = self._ordered_call(
-            Collective("barrier", "MPIBarrier", (tf.int32,), timeout=timeout), []
+            Collective("barrier", "MPIBarrier", (tf.int32,), shapes=(), timeout=timeout), []
         )
         out.set_shape([])
         return out
@@ -353,6 +361,13 @@ _CONSTANT_HASH_MASK = (1 << 24) - 1
 # Up to this many bytes, TensorFlow concatenates many tensors into one before
 # they cross into Python (see allreduce_sum_packed).
 _CONCAT_IN_GRAPH_BYTES = 256 * 1024
+
+
+def _static(tensors: Sequence[tf.Tensor]) -> tuple[tuple[int, ...], ...] | None:
+    """The tensors' shapes when all are known when tracing, else None."""
+    if not all(t.shape.is_fully_defined() for t in tensors):
+        return None
+    return tuple(tuple(t.shape) for t in tensors)
 
 
 def _in_graph_v1() -> bool:

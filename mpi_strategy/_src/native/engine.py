@@ -153,6 +153,7 @@ class NativeComm:
         _STATES.append(state)
         weakref.finalize(collectives, state.__setitem__, State.BLOCKED, 1)
         self._state = state.ctypes.data
+        self.size = collectives.size
 
     @tf.autograph.experimental.do_not_convert
     def allreduce(
@@ -209,6 +210,42 @@ class NativeComm:
             **self._site(rendezvous_lib.ALLGATHER, row_shapes, dtypes),
         )
         return [next_token, *outputs]
+
+    @tf.autograph.experimental.do_not_convert
+    def barrier(self, token: tf.Tensor) -> list[tf.Tensor]:
+        """[next token, a scalar 0]: ``Collectives.barrier`` in one kernel."""
+        return self._ops.mpi_strategy_barrier(  # (next token, output)
+            name="MPIBarrier",
+            token=token,
+            **self._site(rendezvous_lib.BARRIER, [], [np.uint8]),
+        )
+
+    @tf.autograph.experimental.do_not_convert
+    def alltoall(self, token: tf.Tensor, tensor: tf.Tensor) -> list[tf.Tensor]:
+        """[next token, row r from rank r]: ``Collectives.alltoall`` in one
+        kernel (``tensor`` has one row per rank)."""
+        return self._ops.mpi_strategy_alltoall(  # (next token, output)
+            name="MPIAlltoall",
+            token=token,
+            input=tensor,
+            **self._site(
+                rendezvous_lib.ALLTOALL, [tuple(tensor.shape)], [tensor.dtype.as_numpy_dtype]
+            ),
+        )
+
+    @tf.autograph.experimental.do_not_convert
+    def reducescatter(self, token: tf.Tensor, tensor: tf.Tensor, op: str) -> list[tf.Tensor]:
+        """[next token, this rank's rows of the reduction]: ``Collectives.reducescatter``
+        in one kernel."""
+        dtype = tensor.dtype.as_numpy_dtype
+        return self._ops.mpi_strategy_reducescatter(  # (next token, output)
+            name="MPIReducescatter",
+            token=token,
+            input=tensor,
+            mpi_op=as_int64(REDUCTIONS[op][1].handle),
+            mpi_dtype=as_int64(MPI.Datatype.fromcode(np.dtype(dtype).char).handle),
+            **self._site(rendezvous_lib.REDUCESCATTER, [tuple(tensor.shape)], [dtype], op),
+        )
 
     def _site(
         self, kind: rendezvous_lib.Kind, shapes: Sequence[Shape], dtypes: list[Any], tag: str = ""

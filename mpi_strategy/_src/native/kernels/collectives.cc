@@ -161,10 +161,10 @@ void RegisterOp(const char* name, const char* input, const char* output, bool li
   TF_Status* status = TF_NewStatus();
   TF_OpDefinitionBuilder* op = TF_NewOpDefinitionBuilder(name);
   TF_OpDefinitionBuilderAddInput(op, "token: int64");
-  TF_OpDefinitionBuilderAddInput(op, input);
+  if (input != nullptr) TF_OpDefinitionBuilderAddInput(op, input);
   TF_OpDefinitionBuilderAddOutput(op, "next_token: int64");
   TF_OpDefinitionBuilderAddOutput(op, output);
-  TF_OpDefinitionBuilderAddAttr(op, types);
+  if (types != nullptr) TF_OpDefinitionBuilderAddAttr(op, types);
   if (listed) TF_OpDefinitionBuilderAddAttr(op, "N: int >= 1");
   for (const char* attr : kIntAttrs) TF_OpDefinitionBuilderAddAttr(op, attr);
   TF_OpDefinitionBuilderSetIsStateful(op, true);
@@ -211,6 +211,8 @@ extern "C" const char* mpi_strategy_native_init(const char* mpi4py_library, intp
   Find(library, "MPI_Allgatherv", &mpi.Allgatherv, &missing);
   Find(library, "MPI_Iallreduce", &mpi.Iallreduce, &missing);
   Find(library, "MPI_Allgather", &mpi.Allgather, &missing);
+  Find(library, "MPI_Alltoall", &mpi.Alltoall, &missing);
+  Find(library, "MPI_Reduce_scatter", &mpi.Reduce_scatter, &missing);
   if (missing != nullptr) return missing;
   mpi.in_place = in_place;
   mpi.byte = byte;

@@ -31,6 +31,8 @@ struct Mpi {
                     Handle) = nullptr;
   int (*Iallreduce)(const void*, void*, int, Handle, Handle, Handle, Handle*) = nullptr;
   int (*Allgather)(const void*, int, Handle, void*, int, Handle, Handle) = nullptr;
+  int (*Alltoall)(const void*, int, Handle, void*, int, Handle, Handle) = nullptr;
+  int (*Reduce_scatter)(const void*, void*, const int*, Handle, Handle, Handle) = nullptr;
   Handle in_place = 0;
   Handle byte = 0;
   Handle int64 = 0;
@@ -121,6 +123,7 @@ bool SetToken(TF_OpKernelContext* ctx, TF_Status* status);
 int64_t ReadToken(TF_OpKernelContext* ctx, TF_Status* status);
 std::vector<TF_Tensor*> Inputs(TF_OpKernelContext* ctx, int n, TF_Status* status);
 TF_Tensor* OutputLike(TF_OpKernelContext* ctx, int index, TF_Status* status);
+// `input`, `types`: nullptr for none (an op of the token alone).
 void RegisterOp(const char* name, const char* input, const char* output, bool listed,
                 void (*compute)(void*, TF_OpKernelContext*), const char* types = "T: type");
 
