@@ -1,4 +1,4 @@
-"""mpi_strategy.buffers: aligned result buffers, reused only once nothing views them.
+"""core/buffers.py: aligned result buffers, reused only once nothing views them.
 
 The pool must neither reuse a buffer that some array still views (results
 would be overwritten: the tests with ``held``/``holder``) nor stop reusing

@@ -1,4 +1,4 @@
-"""mpi_strategy.cross_device_ops: what is reduced, and with how many MPI calls."""
+"""distribute/cross_device_ops.py: what is reduced, and with how many MPI calls."""
 
 import numpy as np
 import pytest

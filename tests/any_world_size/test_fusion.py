@@ -1,4 +1,4 @@
-"""mpi_strategy.fusion: one collective per wire dtype, results unpacked exactly."""
+"""distribute/fusion.py: one collective per wire dtype, results unpacked exactly."""
 
 import numpy as np
 import tensorflow as tf

@@ -1,4 +1,4 @@
-"""mpi_strategy.logs: lines tagged with the rank; ranks other than 0 quiet."""
+"""core/logs.py: lines tagged with the rank; ranks other than 0 quiet."""
 
 import io
 import logging

@@ -1,4 +1,4 @@
-"""mpi_strategy.mpi_ops: ordered MPI collectives as TF ops, at any world size."""
+"""distribute/ops.py and engines.py: ordered MPI collectives as TF ops, at any world size."""
 
 import re
 import time

@@ -1,4 +1,4 @@
-"""mpi_strategy.validation: misuse is reported clearly, on every rank.
+"""core/validation.py: misuse is reported clearly, on every rank.
 
 Misuse that needs a program of its own: tests/launchers/test_validation_launched.py.
 """

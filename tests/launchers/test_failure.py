@@ -1,4 +1,4 @@
-"""mpi_strategy.failure: an exception on one rank ends the whole job promptly.
+"""core/failure.py: an exception on one rank ends the whole job promptly.
 
 One 2-rank launch per place where a rank can fail: inside a compiled training
 step (a ``tf.debugging.Assert`` in the replica function), in the input pipeline

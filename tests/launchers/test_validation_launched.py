@@ -1,4 +1,4 @@
-"""mpi_strategy.validation, in programs of their own: misuse that a running
+"""core/validation.py, in programs of their own: misuse that a running
 test process cannot show (devices per rank, MPI's thread support)."""
 
 import subprocess
