@@ -416,19 +416,34 @@ def test_a_save_no_strategy_owns_makes_no_mpi_call(strategy, shared_dir):
     _loads_unscoped(directory)
 
 
-def test_saves_no_strategy_owns_are_written_once_per_path_and_complete_on_return(shared_dir):
+def test_saves_no_strategy_owns_are_written_once_per_path_and_complete_on_return(
+    strategy, shared_dir
+):
     """Every rank saves the same unscoped objects to one path: without the lock
     they race (TensorFlow's ``<prefix>_temp`` staging, a half-written zip).
     Repeated, each rank loading right after its save; and to a directory of
     its own per rank (as node-local disks are), where each rank writes."""
+    del strategy  # (the world's MPIStrategy exists: these saves are this library's work)
     model = _unscoped_model()
+    wrote = 0
     for attempt in range(4):
         model.set_weights([np.full(w.shape, 0.5, w.dtype) for w in model.get_weights()])
         directory = os.path.join(shared_dir, f"unscoped{attempt}")
         for save in UNSCOPED_SAVES.values():
+            WORLD.Barrier()  # (the ranks start each save together)
+            before = written_bytes()
             save(model, directory)
+            wrote += written_bytes() - before
         _loads_unscoped(directory)
     WORLD.Barrier()
+    artifact_bytes = sum(
+        os.path.getsize(os.path.join(shared_dir, f"unscoped{attempt}", f))
+        for attempt in range(4)
+        for f in _files_under(os.path.join(shared_dir, f"unscoped{attempt}"))
+    )
+    # Once in all: one rank writes each (the others, in memory, nothing).
+    print("RATIO", WORLD.allreduce(wrote) / artifact_bytes, wrote, artifact_bytes)
+    assert WORLD.allreduce(wrote) <= artifact_bytes * 1.25 + SIZE * FIRST_CALL_BYTES
     own = os.path.join(shared_dir, f"rank{RANK}")
     before = written_bytes()
     model.save_weights(os.path.join(own, "w.weights.h5"))
@@ -436,14 +451,16 @@ def test_saves_no_strategy_owns_are_written_once_per_path_and_complete_on_return
     model.load_weights(os.path.join(own, "w.weights.h5"))
 
 
-def test_checkpoints_no_strategy_owns_never_race(shared_dir):
+def test_checkpoints_no_strategy_owns_never_race(strategy, shared_dir):
     """As test_checkpoint_saves_on_every_rank_never_race, for a checkpoint of
     a variable that no strategy built: the file lock, not a meeting."""
+    del strategy
     variable = tf.Variable(tf.zeros([200_000]))
     checkpoint = tf.train.Checkpoint(v=variable)
     prefix = os.path.join(shared_dir, "unscoped-race", "ckpt")
     for step in range(40):
         variable.assign(tf.fill([200_000], float(step)))
+        WORLD.Barrier()  # (the ranks start each save together, as in a training loop)
         path = checkpoint.save(prefix)
         variable.assign(tf.zeros([200_000]))
         checkpoint.restore(path).assert_consumed()
