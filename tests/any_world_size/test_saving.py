@@ -442,7 +442,6 @@ def test_saves_no_strategy_owns_are_written_once_per_path_and_complete_on_return
         for f in _files_under(os.path.join(shared_dir, f"unscoped{attempt}"))
     )
     # Once in all: one rank writes each (the others, in memory, nothing).
-    print("RATIO", WORLD.allreduce(wrote) / artifact_bytes, wrote, artifact_bytes)
     assert WORLD.allreduce(wrote) <= artifact_bytes * 1.25 + SIZE * FIRST_CALL_BYTES
     own = os.path.join(shared_dir, f"rank{RANK}")
     before = written_bytes()
