@@ -199,7 +199,7 @@ def project(workloads, intra, networks=None, core_counts=None, cores_per_node=CO
 
 
 def record_bytes(p):
-    """Bytes of each rank's agreement record (mpi_strategy's rendezvous.record_bytes)."""
+    """Bytes of each rank's agreement record (mpi_strategy's protocol.record_bytes)."""
     return max(128, min(512, 16384 // max(p, 1) // 8 * 8))
 
 
@@ -212,17 +212,17 @@ def allgather_time(nbytes, p, alpha, beta):
 
 
 ENGINE_CORES = [1, 16, 20, 64, 80, 320, 1024, 4096]
-HASHED_ABOVE = 1024  # mpi_strategy's rendezvous.HASHED_ABOVE
+HASHED_ABOVE = 1024  # mpi_strategy's protocol.HASHED_ABOVE
 
 
 def agreement_time(p, alpha, beta, hashed=None):
     """Seconds for the agreement before a collective: an allgather of
     ``record_bytes(p)`` per rank, or above ``HASHED_ABOVE`` ranks (or with
-    ``hashed``) one allreduce of 16 bytes (recursive doubling: log2(p) rounds)."""
+    ``hashed``) one allreduce of 24 bytes (recursive doubling: log2(p) rounds)."""
     if p <= 1:
         return 0.0
     if hashed if hashed is not None else p > HASHED_ABOVE:
-        return math.ceil(math.log2(p)) * (alpha + 16 * beta)
+        return math.ceil(math.log2(p)) * (alpha + 24 * beta)
     return allgather_time(record_bytes(p), p, alpha, beta)
 
 

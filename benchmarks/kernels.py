@@ -204,7 +204,7 @@ def cost_markdown(model):
         "Projected speedups (benchmarks/cost_model.py `engine_projection`): each collective "
         f"costs its engine's measured fixed cost (Python {fixed['python']:.1f} us, native "
         f"{fixed['native']:.1f} us beyond MPI) plus the agreement (an allgather of "
-        "`record_bytes(p)` per rank; above 1024 ranks one 16-byte allreduce of a hash), "
+        "`record_bytes(p)` per rank; above 1024 ranks one 24-byte allreduce of a hash), "
         "two collectives per step, on this run's calibration "
         f"(alpha {fit['alpha_s'] * 1e6:.2f} us, {fit['bandwidth_GBps']:.1f} GB/s) inside a "
         "node and the assumed networks between nodes:",
@@ -233,7 +233,7 @@ def overhead():
     import tensorflow as tf
     from mpi4py import MPI
 
-    from mpi_strategy._src.core.rendezvous import record_bytes
+    from mpi_strategy._src.core.protocol import record_bytes
     from mpi_strategy._src.distribute.ops import OrderedComm
     from mpi_strategy._src.native import engine
 

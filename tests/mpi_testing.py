@@ -14,6 +14,8 @@ import tensorflow as tf
 from mpi4py import MPI
 
 import mpi_strategy
+from mpi_strategy._src.core import protocol
+from mpi_strategy._src.distribute.ops import OrderedComm
 
 LOCAL_DEVICES = int(os.environ.get("MPI_STRATEGY_TEST_LOCAL_DEVICES", "1"))
 WORLD = MPI.COMM_WORLD
@@ -50,7 +52,20 @@ def mpi_calls(graph):
 def on_python_engine(ordered):
     """``ordered`` (an OrderedComm), made to run its collectives on the numpy
     engine even where the native kernels are in use."""
-    ordered._native = None
+    ordered._engines = [e for e in ordered._engines if e.name == "python"]
+    return ordered
+
+
+def ordered_comm(hashed=False):
+    """A new OrderedComm over ``WORLD`` (collective), agreeing by comparing a
+    hash when ``hashed`` (as above ``protocol.HASHED_ABOVE`` ranks)."""
+    hashed_above = protocol.HASHED_ABOVE
+    protocol.HASHED_ABOVE = -1 if hashed else hashed_above
+    try:
+        ordered = OrderedComm(WORLD)
+    finally:
+        protocol.HASHED_ABOVE = hashed_above
+    assert ordered.rendezvous.hashed == hashed
     return ordered
 
 

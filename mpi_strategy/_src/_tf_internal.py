@@ -36,7 +36,7 @@ if _version < SUPPORTED_TF[0]:
 if _version > SUPPORTED_TF[1]:
     logger.warning(
         "mpi_strategy was tested with TensorFlow up to %s; found %s. "
-        "If something fails in mpi_strategy/_tf_internal.py, TensorFlow's "
+        "If something fails in mpi_strategy/_src/_tf_internal.py, TensorFlow's "
         "private distribute API changed.",
         ".".join(map(str, SUPPORTED_TF[1])),
         tf.__version__,

@@ -12,11 +12,17 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_strategy._src.core import rendezvous
 from mpi_strategy._src.distribute.ops import OrderedComm
 from mpi_strategy._src.native import engine as native_engine
 from mpi_strategy.errors import CollectiveMismatchError
-from mpi_testing import RANK, SIZE, WORLD, assert_same_on_all_ranks, on_python_engine
+from mpi_testing import (
+    RANK,
+    SIZE,
+    WORLD,
+    assert_same_on_all_ranks,
+    on_python_engine,
+    ordered_comm,
+)
 
 pytestmark = [
     pytest.mark.device_agnostic,
@@ -27,21 +33,14 @@ pytestmark = [
 @pytest.fixture(scope="module", params=["gathered", "hashed"])
 def protocol(request):
     """How the ranks agree: by gathering every rank's record, or (as above
-    rendezvous.HASHED_ABOVE ranks) by comparing a hash."""
+    protocol.HASHED_ABOVE ranks) by comparing a hash."""
     return request.param
 
 
 def _ordered_comm(protocol):
-    hashed_above = rendezvous.HASHED_ABOVE
-    if protocol == "hashed":
-        rendezvous.HASHED_ABOVE = 0
-    try:
-        ordered = OrderedComm(WORLD)
-    finally:
-        rendezvous.HASHED_ABOVE = hashed_above
-    if ordered._native is None:
+    ordered = ordered_comm(hashed=protocol == "hashed")
+    if "native" not in ordered.engines:
         pytest.skip("the native kernels are not in use (MPI_STRATEGY_KERNELS)")
-    assert ordered.rendezvous.hashed == (protocol == "hashed")
     return ordered
 
 
@@ -185,7 +184,7 @@ def test_a_retired_communicator_raises_its_error_from_the_kernels(protocol):
 
 def test_the_engine_in_use_is_reported():
     assert native_engine.active() in ("native", "python")
-    assert (OrderedComm(WORLD)._native is not None) == (native_engine.active() == "native")
+    assert ("native" in OrderedComm(WORLD).engines) == (native_engine.active() == "native")
 
 
 @pytest.mark.parametrize("engine", ["native", "python"])

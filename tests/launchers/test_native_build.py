@@ -2,10 +2,13 @@
 ``MPI_STRATEGY_KERNELS``: without a compiler the Python engine runs, with one
 line on rank 0 saying why; asked for explicitly, their absence fails every rank."""
 
+import os
+import subprocess
 import sys
 
 import pytest
 
+from mpi_testing import PROGRAMS
 from testing.launch import run_mpiexec
 
 FALLBACK = "mpi_strategy: using the Python collectives"
@@ -67,3 +70,21 @@ def test_an_explicit_choice_that_cannot_be_met_fails_every_rank(tmp_path, value,
     code, out = _diagnose(2, tmp_path, CXX="/nonexistent/c++", MPI_STRATEGY_KERNELS=value)
     assert code != 0 and "RESULT: FAILED on ranks [0, 1]" in out, out[-3000:]
     assert out.count(says) == 2, out[-3000:]
+
+
+@pytest.mark.single_process
+def test_a_library_of_another_wire_protocol_is_refused_at_load(tmp_path):
+    # One constant changed on each side: in the C++ header the kernels were
+    # built with, and in core/protocol.py after they were built.
+    def drift(*args):
+        argv = [sys.executable, os.path.join(PROGRAMS, "protocol_drift.py"), *map(str, args)]
+        result = subprocess.run(argv, capture_output=True, text=True, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+        return dict(line.split(": ", 1) for line in result.stdout.splitlines())
+
+    said = {**drift("cxx", tmp_path), **drift("python")}
+    assert said["unchanged"] == "accepted", said
+    assert said["C++ side changed"].startswith("refused:"), said
+    assert "align.piece: 16 there, 8 here" in said["C++ side changed"], said
+    assert said["Python side changed"].startswith("refused:"), said
+    assert "align.piece: 8 there, 16 here" in said["Python side changed"], said

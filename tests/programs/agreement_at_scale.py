@@ -8,7 +8,7 @@ carried and a sent reduction, an uneven all-gather, a broadcast, a mismatch
 (whose message names every rank), a constant that ranks assumed equal but
 is not (the ordering token), and the communicator still working after them;
 then all of it again with the hashed agreement (which the library uses above
-``rendezvous.HASHED_ABOVE`` ranks; here forced).
+``protocol.HASHED_ABOVE`` ranks; here forced).
 Only numpy and mpi4py are imported (the package's __init__ would load
 TensorFlow in every one of the ranks); rank 0 prints "OK <ranks>" at the end.
 """
@@ -25,10 +25,10 @@ sys.modules["mpi_strategy"] = package
 import numpy as np
 from mpi4py import MPI
 
-from mpi_strategy._src.core import rendezvous
+from mpi_strategy._src.core import protocol
 from mpi_strategy._src.core.collectives import Collectives
 from mpi_strategy._src.core.errors import MPIStrategyError
-from mpi_strategy._src.core.rendezvous import record_bytes
+from mpi_strategy._src.core.protocol import record_bytes
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -44,7 +44,7 @@ def check(ok: bool, what: str) -> None:
 def main() -> None:
     gathered = Collectives(WORLD)
     run(gathered)
-    rendezvous.HASHED_ABOVE = 32
+    protocol.HASHED_ABOVE = 32
     hashed = Collectives(WORLD)
     check(hashed.rendezvous.hashed, "the hashed agreement is in use")
     run(hashed)

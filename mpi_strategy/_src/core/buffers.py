@@ -22,7 +22,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from numpy.typing import DTypeLike
 
-ALIGN_BYTES = 64
+from mpi_strategy._src.core import protocol
+
+ALIGN_BYTES = protocol.PACK_ALIGN  # (also what TensorFlow adopts without a copy)
 _POOLED_MIN_BYTES = 1 << 16  # smaller buffers come from malloc's heap, no page faults
 _POOL_SIZE = 4
 
@@ -99,7 +101,7 @@ def pack(arrays: Sequence[np.ndarray], pool: BufferPool) -> tuple[np.ndarray, li
 
     The padding between them is zero, so one MPI call can reduce the whole
     buffer in place. Returns ``(buffer, views)``: ``buffer`` ends where the
-    last array does (the native kernels pack alike: native/kernels.cc), and a
+    last array does (the native kernels pack alike: native/kernels/allreduce.cc), and a
     view per array, in its shape, which TensorFlow can adopt as results
     without a copy.
     """

@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 from mpi_strategy._src.core import buffers, rendezvous as rendezvous_lib, ulfm
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
+from mpi_strategy._src.core.protocol import Field, State
 from mpi_strategy._src.core.rendezvous import ALLTOALLV, BARRIER, REDUCESCATTER, ErrorClass, Shape
 from mpi_strategy._src.core.timeline import Timeline
 from mpi_strategy._src.core.wire import as_bytes, concat_bytes, split_gathered
@@ -71,9 +72,7 @@ class Collectives:
         self.rendezvous = rendezvous_lib.Rendezvous(
             comm, name_missing_ranks, mismatch_error, timeout_error
         )
-        self.rendezvous.state[rendezvous_lib.NativeState.DATA_COMM] = rendezvous_lib.as_int64(
-            self.comm.handle
-        )
+        self.rendezvous.state[State.DATA_COMM] = rendezvous_lib.as_int64(self.comm.handle)
         self.number = next(_numbers)
         self.failed = False  # a rank died (see RanksLostError)
         self._retired: Callable[[], Exception] | None = None
@@ -100,7 +99,7 @@ class Collectives:
         """Makes every later collective raise ``error()`` (a communicator that
         a recovery replaced, still reachable from code traced before it)."""
         self._retired = error
-        self.rendezvous.state[rendezvous_lib.NativeState.BLOCKED] = 1
+        self.rendezvous.state[State.BLOCKED] = 1
 
     def ranks_lost(self, error: MPI.Exception) -> RanksLostError:
         """Marks this communicator as failed, revokes it (ranks in another
@@ -276,7 +275,7 @@ class Collectives:
             timeout=timeout,
             token=token,
         )
-        counts = everyone[:, -1]
+        counts = everyone[:, Field.BYTES]
         if carried is None:
             received = buffers.aligned_empty((int(counts.sum()),), np.uint8)
             self.comm.Allgatherv(mine, [received, (counts.tolist(), None), MPI.BYTE])

@@ -14,24 +14,28 @@ ranks check the signatures and then compute the result from the data they
 already hold, so a small collective costs one MPI round, not two. A large one
 costs the Allgather, then its own MPI call.
 
-Above ``HASHED_ABOVE`` (1024) ranks, gathering every record would cost
-O(ranks) bytes per rank per collective; there the ranks compare a 63-bit hash
-of what must agree instead (one Allreduce of 16 bytes: the largest hash and
-minus the smallest), gather the records only when the hashes differ (to
-explain the disagreement, or to settle a save that some ranks are in), carry
-no data, and an all-gather learns each rank's byte count in one more small
-Allgather.
+Above ``protocol.HASHED_ABOVE`` (1024) ranks, gathering every record would
+cost O(ranks) bytes per rank per collective; there the ranks compare a 63-bit
+hash of what must agree instead (one Allreduce of 24 bytes: the largest hash,
+minus the smallest, and the largest preemption notice), gather the records
+only when the hashes differ (to explain the disagreement, or to settle a save
+that some ranks are in), carry no data, and an all-gather learns each rank's
+byte count in one more small Allgather.
 
 With ``CommunicationOptions(timeout_seconds=T)`` the Allgather is non-blocking
 and polled, and each rank tells the others (a few bytes, point to point) the
 number of every collective it enters. A rank that waited ``T`` seconds then
 raises an error naming the collective, its shape and the ranks that never
 arrived, with the last collective each of them entered.
+
+Every record also carries the rank's preemption notice (``notice``: a signal
+number, set when a batch scheduler warns the rank), so that every rank learns
+it from the same collective (``noticed``) without an MPI call of its own.
+The wire format is ``protocol.py``'s.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import math
 import time
@@ -44,7 +48,16 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from mpi_strategy._src.core import protocol
 from mpi_strategy._src.core.errors import MPIStrategyError
+from mpi_strategy._src.core.protocol import (
+    MUST_AGREE,
+    SIGNATURE_BYTES,
+    Field,
+    State,
+    hash_of,
+    record_bytes,
+)
 
 Shape = Sequence[int]
 ErrorClass = Callable[[str], Exception]
@@ -171,53 +184,21 @@ _DTYPES = [
 ]
 _DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
 
-# Signature fields: collective number; kind, dtype, elements (per row for
-# all_gather), number of tensors, a hash of their shapes and dtypes (and of a
-# tag such as a save's path), the partial meeting (its kind's code) this rank
-# is in without the others (0: none),
-# how far the communicator's ordering token moved since the previous
-# collective (1, plus a hash of the constants that ranks assumed equal instead
-# of sending them: ``OrderedComm.check_same_constants``) (these must agree);
-# rows and bytes sent (all_gather only, may differ).
-_SEQ, _KIND, _DTYPE, _COUNT, _TENSORS, _LAYOUT, _SOLO, _TOKEN, _ROWS, _BYTES = range(10)
-_MUST_AGREE = slice(_KIND, _TOKEN + 1)
-_SIGNATURE_BYTES = 8 * (_BYTES + 1)
-
 _ANNOUNCE_TAG = 7
 
-# Above this many ranks, the ranks agree by comparing a hash of their
-# signatures (one Allreduce of 16 bytes: O(1) bytes per rank) instead of
-# gathering every rank's record (O(ranks) bytes, which the cost model shows
-# at thousands of ranks); every record is gathered only to explain a
-# disagreement. Nothing is carried then: small data takes its own MPI call.
-HASHED_ABOVE = 1024
+# This process's preemption notice (0: none), and the agreements that carry it.
+_notices: dict[str, Any] = {"posted": 0, "live": weakref.WeakSet()}
 
 
-def record_bytes(size: int) -> int:
-    """Bytes each rank sends in the agreement Allgather, on a communicator of ``size``.
-
-    512 up to 32 ranks; less on larger communicators so that the Allgather
-    stays about 16 KiB, but always room for a few scalars. The same on every rank.
-    """
-    return max(128, min(512, 16384 // max(size, 1) // 8 * 8))
-
-
-class NativeState(enum.IntEnum):
-    """The fields of ``Rendezvous.state`` (int64), laid out as the compiled
-    kernels' ``State`` (native/kernels.cc)."""
-
-    SEQ = 0  # the number of the last collective
-    TOKEN = 1  # the ordering token of the previous collective
-    SOLO = 2  # the code of the partial meeting this rank is in alone (0: none)
-    BLOCKED = 3  # nonzero: the kernels ask Python first (a retired communicator)
-    AGREE_COMM = 4  # the MPI handle of the agreement's communicator
-    DATA_COMM = 5  # the MPI handle of the data's communicator (Collectives.comm)
-    RECORD_BYTES = 6
-    RANK = 7
-    SIZE = 8
-    ENGINE = 9  # which Collectives (native/engine.py)
-    CARRY_BYTES = 10
-    HASHED = 11  # 1: the hashed agreement (more than HASHED_ABOVE ranks)
+def post_notice(signum: int) -> None:
+    """This rank received a preemption notice (signal ``signum``): every
+    later agreement of every communicator carries it to the other ranks, who
+    learn it from the same collective (``Rendezvous.noticed``). The first
+    notice stays. Safe in a signal handler (it sets integers)."""
+    if not _notices["posted"]:
+        _notices["posted"] = signum
+        for rendezvous in list(_notices["live"]):
+            rendezvous.notice = signum
 
 
 def as_int64(handle: int) -> int:
@@ -252,6 +233,7 @@ def signature(
     tag: str = "",
     solo: Kind | None = None,
     token_step: int = 0,
+    notice: int = 0,
 ) -> np.ndarray:
     """The fixed-size description of a collective that every rank compares.
 
@@ -261,6 +243,7 @@ def signature(
     ``tag``: text that must agree too (which save, of which path).
     ``solo``: the partial meeting this rank is in without the other ranks.
     ``token_step``: how far the ordering token moved since the previous collective.
+    ``notice``: this rank's preemption notice (a signal number; 0: none).
     """
     dtypes = tuple(dtype) if isinstance(dtype, (list, tuple)) else (dtype,)
     code, count, layout = _layout(tuple(tuple(shape) for shape in shapes), dtypes, tag)
@@ -276,6 +259,7 @@ def signature(
             token_step,
             rows,
             nbytes,
+            notice,
         ],
         np.int64,
     )
@@ -293,36 +277,28 @@ def _layout(
     return codes[0], count, zlib.crc32(repr((ints, codes, tag)).encode()) & 0x7FFFFFFF
 
 
-def hash_of(signature: np.ndarray) -> int:
-    """The hashed agreement's hash of what must agree in ``signature``
-    (64-bit FNV-1a of its bytes, the kernels compute the same), below 2**63."""
-    h = 0xCBF29CE484222325
-    for byte in signature[_MUST_AGREE].astype("<i8").tobytes():
-        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h >> 1
-
-
 def _kind(code: int) -> Kind:
     return _KINDS.get(int(code), Kind(int(code), f"collective kind {int(code)}"))
 
 
 def describe(signature: np.ndarray) -> str:
     """What a signature means, in words (e.g. "allreduce of 10 float32 elements")."""
-    of = _kind(signature[_KIND])
-    kind, dtype = of.name, _dtype_name(int(signature[_DTYPE]))
+    of = _kind(signature[Field.KIND])
+    kind, dtype = of.name, _dtype_name(int(signature[Field.DTYPE]))
     if of.meeting:
         return kind
-    if signature[_SOLO]:
-        kind = f"({_kind(signature[_SOLO]).solo_label}) " + kind
+    if signature[Field.SOLO]:
+        kind = f"({_kind(signature[Field.SOLO]).solo_label}) " + kind
     if of == ALLGATHER:
-        if signature[_TENSORS] != 1:
+        if signature[Field.TENSORS] != 1:
             return (
-                f"all_gather of {signature[_TENSORS]} tensors ({signature[_ROWS]} rows, "
-                f"{signature[_COUNT]} elements per row in all)"
+                f"all_gather of {signature[Field.TENSORS]} tensors ({signature[Field.ROWS]} rows, "
+                f"{signature[Field.COUNT]} elements per row in all)"
             )
-        return f"all_gather of {signature[_ROWS]} rows of {signature[_COUNT]} {dtype} elements"
-    packed = f" in {signature[_TENSORS]} tensors" if signature[_TENSORS] != 1 else ""
-    return f"{kind} of {signature[_COUNT]} {dtype} elements{packed}"
+        rows, count = signature[Field.ROWS], signature[Field.COUNT]
+        return f"all_gather of {rows} rows of {count} {dtype} elements"
+    packed = f" in {signature[Field.TENSORS]} tensors" if signature[Field.TENSORS] != 1 else ""
+    return f"{kind} of {signature[Field.COUNT]} {dtype} elements{packed}"
 
 
 _ORDER_ADVICE = (
@@ -360,14 +336,16 @@ class Rendezvous:
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         # The collective number, the previous ordering token and the partial
         # meeting this rank is in live in ``state``, which compiled kernels
-        # share (``NativeState``).
-        self.state = np.zeros(len(NativeState), np.int64)
-        self.state[NativeState.RECORD_BYTES] = record_bytes(self._size)
-        self.state[NativeState.CARRY_BYTES] = self.carry_bytes
-        self.state[NativeState.RANK], self.state[NativeState.SIZE] = self._rank, self._size
-        self.state[NativeState.AGREE_COMM] = as_int64(comm.handle)
-        self.hashed = self._size > HASHED_ABOVE
-        self.state[NativeState.HASHED] = int(self.hashed)
+        # share (``State``).
+        self.state = np.zeros(len(State), np.int64)
+        self.state[State.NOTICE] = _notices["posted"]
+        _notices["live"].add(self)
+        self.state[State.RECORD_BYTES] = record_bytes(self._size)
+        self.state[State.CARRY_BYTES] = self.carry_bytes
+        self.state[State.RANK], self.state[State.SIZE] = self._rank, self._size
+        self.state[State.AGREE_COMM] = as_int64(comm.handle)
+        self.hashed = self._size > protocol.HASHED_ABOVE
+        self.state[State.HASHED] = int(self.hashed)
         self._hash_agreed = False  # the last exchange agreed by hash (no records gathered)
         self._announce_comm = comm.Dup() if name_missing_ranks and self._size > 1 else None
         if self._announce_comm is not None:  # freed with this object (not at exit)
@@ -388,26 +366,26 @@ class Rendezvous:
 
     @property
     def _seq(self) -> int:
-        return int(self.state[NativeState.SEQ])
+        return int(self.state[State.SEQ])
 
     @_seq.setter
     def _seq(self, value: int) -> None:
-        self.state[NativeState.SEQ] = value
+        self.state[State.SEQ] = value
 
     @property
     def solo(self) -> Kind | None:
         """The partial meeting this rank is in without the others (None: none)."""
-        code = int(self.state[NativeState.SOLO])
+        code = int(self.state[State.SOLO])
         return _kind(code) if code else None
 
     @solo.setter
     def solo(self, kind: Kind | None) -> None:
-        self.state[NativeState.SOLO] = kind.code if kind else 0
+        self.state[State.SOLO] = kind.code if kind else 0
 
     @property
     def carry_bytes(self) -> int:
         """The most data bytes a rank's record carries (see ``agree_carrying``)."""
-        return record_bytes(self._size) - _SIGNATURE_BYTES
+        return record_bytes(self._size) - SIGNATURE_BYTES
 
     def agree_carrying(
         self,
@@ -423,7 +401,7 @@ class Rendezvous:
         """``agree``, with this rank's ``data`` (a 1-D uint8 array) in the same message.
 
         Returns ``(everyone, carried)``: ``everyone`` as from ``agree`` (its
-        last column is each rank's number of data bytes), and ``carried`` one
+        ``Field.BYTES`` column is each rank's number of data bytes), and ``carried`` one
         row per rank whose first bytes are that rank's ``data``, identical on
         every rank - or None when some rank's data did not fit in
         ``carry_bytes``; then the caller moves the data with its own MPI call.
@@ -447,11 +425,11 @@ class Rendezvous:
                 mine = np.array([data.size], np.int64)
                 self._comm.Allgather([mine, MPI.INT64_T], [counts, MPI.INT64_T])
                 everyone = everyone.copy()
-                everyone[:, _BYTES] = counts
+                everyone[:, Field.BYTES] = counts
             return everyone, None
-        if everyone[:, _BYTES].max() > self.carry_bytes:
+        if everyone[:, Field.BYTES].max() > self.carry_bytes:
             return everyone, None
-        return everyone, self._received[:, _SIGNATURE_BYTES:]
+        return everyone, self._received[:, SIGNATURE_BYTES:]
 
     def agree(
         self,
@@ -473,7 +451,7 @@ class Rendezvous:
         far it moved since the previous collective must agree.
 
         Returns every rank's signature, one row per rank, identical on every
-        rank (the last column is each rank's ``nbytes``, what it sends in an
+        rank (the ``Field.BYTES`` column is each rank's ``nbytes``, what it sends in an
         all_gather).
 
         A ``partial`` kind (a save) that not every rank entered is not an
@@ -486,9 +464,11 @@ class Rendezvous:
         self.disagreed = []
         token_step = 0
         if token is not None:
-            token_step = token - int(self.state[NativeState.TOKEN])
-            self.state[NativeState.TOKEN] = token
-        mine = signature(self._seq, kind, dtype, shapes, rows, nbytes, tag, self.solo, token_step)
+            token_step = token - int(self.state[State.TOKEN])
+            self.state[State.TOKEN] = token
+        mine = signature(
+            self._seq, kind, dtype, shapes, rows, nbytes, tag, self.solo, token_step, self.notice
+        )
         everyone = self._exchange(mine, _data, shapes, timeout)
         agreed = (
             everyone
@@ -512,13 +492,14 @@ class Rendezvous:
         are in a partial meeting the others are not, then raises if the ranks
         disagree."""
         while True:
-            partial = [_kind(code).partial for code in everyone[:, _KIND].tolist()]
-            differ = np.any(everyone[:, _MUST_AGREE] != everyone[0, _MUST_AGREE])
+            partial = [_kind(code).partial for code in everyone[:, Field.KIND].tolist()]
+            differ = np.any(everyone[:, MUST_AGREE] != everyone[0, MUST_AGREE])
             if not (differ and any(partial)):
                 break
             if kind.partial:
                 self._seq -= 1  # the next collective takes this number
-                same = np.all(everyone[:, _KIND:] == everyone[self._rank, _KIND:], axis=1)
+                described = slice(Field.KIND, Field.NOTICE)  # (a notice may differ)
+                same = np.all(everyone[:, described] == everyone[self._rank, described], axis=1)
                 self.solo_with = np.flatnonzero(same).tolist()
                 return None
             everyone = exchange()
@@ -533,9 +514,9 @@ class Rendezvous:
         as ``agree`` does."""
         record = received[self._rank].copy()
         self.disagreed = []
-        kind = _kind(int(record[:_SIGNATURE_BYTES].view(np.int64)[_KIND]))
+        kind = _kind(int(record[:SIGNATURE_BYTES].view(np.int64)[Field.KIND]))
         self._settle(
-            received[:, :_SIGNATURE_BYTES].copy().view(np.int64),
+            received[:, :SIGNATURE_BYTES].copy().view(np.int64),
             kind,
             shapes,
             lambda: self._meet(record, received, shapes, None),
@@ -567,7 +548,7 @@ class Rendezvous:
         lands in ``into`` (default: a new ``_received``). Hashed: when the
         hashes agree (``_hash_agreed``), this rank's signature in every row
         and no record gathered."""
-        mine = record[:_SIGNATURE_BYTES].view(np.int64)
+        mine = record[:SIGNATURE_BYTES].view(np.int64)
         self._hash_agreed = self.hashed and self._hashes_agree(mine, shapes, timeout)
         if self._hash_agreed:
             return np.broadcast_to(mine, (self._size, mine.size))
@@ -577,21 +558,55 @@ class Rendezvous:
         # collective with a non-blocking one, and a save's meeting (no
         # timeout) may meet a collective that has one.
         self._complete(lambda: self._comm.Iallgather(record, into), mine, shapes, timeout)
-        return into[:, :_SIGNATURE_BYTES].copy().view(np.int64)
+        everyone = into[:, :SIGNATURE_BYTES].copy().view(np.int64)
+        self._heard(int(everyone[:, Field.NOTICE].max()))
+        return everyone
 
     def _hashes_agree(
         self, mine: np.ndarray, shapes: Sequence[Shape], timeout: float | None
     ) -> bool:
         """Whether every rank's signature hashes alike: one Allreduce (max)
-        of (hash, -hash) gives the largest and the smallest hash."""
-        extremes = np.array([hash_of(mine), -hash_of(mine)], np.int64)
+        of (hash, -hash, notice) gives the largest and the smallest hash, and
+        the notice if any rank sent one."""
+        extremes = np.array([hash_of(mine), -hash_of(mine), mine[Field.NOTICE]], np.int64)
         self._complete(
             lambda: self._comm.Iallreduce(MPI.IN_PLACE, [extremes, MPI.INT64_T], op=MPI.MAX),
             mine,
             shapes,
             timeout,
         )
+        self._heard(int(extremes[2]))
         return bool(extremes[0] == -extremes[1])
+
+    # -- preemption notice ---------------------------------------------------
+    def _heard(self, notice: int) -> None:
+        """Every rank learns a notice from the same exchange: keep the first."""
+        if notice and not self.state[State.NOTICED]:
+            self.state[State.NOTICED] = notice
+            self.state[State.NOTICED_AT] = self._seq
+
+    @property
+    def notice(self) -> int:
+        """This rank's preemption notice, which every later record carries
+        (0: none; ``post_notice`` sets it)."""
+        return int(self.state[State.NOTICE])
+
+    @notice.setter
+    def notice(self, signum: int) -> None:
+        if not self.state[State.NOTICE]:
+            self.state[State.NOTICE] = signum
+
+    @property
+    def noticed(self) -> tuple[int, int] | None:
+        """``(signal number, collective number)``: the first notice any rank
+        sent, and the collective whose agreement carried it to every rank;
+        the same on every rank once that collective is done (None before).
+        Alone (one rank, whose collectives meet no one), its own notice."""
+        if self._size == 1 and self.notice:
+            return self.notice, self._seq
+        if not self.state[State.NOTICED]:
+            return None
+        return int(self.state[State.NOTICED]), int(self.state[State.NOTICED_AT])
 
     def _complete(
         self,
@@ -612,20 +627,21 @@ class Rendezvous:
     # -- disagreement --------------------------------------------------------
     def _raise_disagreement(self, everyone: np.ndarray, shapes: Sequence[Shape]) -> None:
         by_rank = "; ".join(f"rank {r}: {describe(s)}" for r, s in enumerate(everyone))
-        if np.all(everyone[:, _KIND : _TENSORS + 1] == everyone[0, _KIND : _TENSORS + 1]):
+        sizes = slice(Field.KIND, Field.TENSORS + 1)
+        if np.all(everyone[:, sizes] == everyone[0, sizes]):
             by_rank += (
                 " (same sizes, but the shapes or the parameters, such as a root rank, "
                 "differ between ranks)"
             )
-        kinds = [_kind(code) for code in dict.fromkeys(everyone[:, _KIND].tolist())]
+        kinds = [_kind(code) for code in dict.fromkeys(everyone[:, Field.KIND].tolist())]
         self.disagreed = kinds
         blamed = [k.blame for k in kinds if k.blame]
-        solo = [_kind(code) for code in everyone[:, _SOLO].tolist() if code]
-        if np.all(everyone[:, _KIND:_TOKEN] == everyone[0, _KIND:_TOKEN]):
+        solo = [_kind(code) for code in everyone[:, Field.SOLO].tolist() if code]
+        if np.all(everyone[:, Field.KIND : Field.TOKEN] == everyone[0, Field.KIND : Field.TOKEN]):
             advice = _CONSTANT_ADVICE  # only the tokens differ
             by_rank = "; ".join(
                 f"rank {r}: {describe(s)} (ordering token moved by "
-                f"{s[_TOKEN]} since the previous collective)"
+                f"{s[Field.TOKEN]} since the previous collective)"
                 for r, s in enumerate(everyone)
             )
         elif blamed:
@@ -638,7 +654,7 @@ class Rendezvous:
             advice = _ORDER_ADVICE
         raise self._mismatch_error(
             f"mpi_strategy: ranks disagree in an MPI collective (collective "
-            f"#{everyone[self._rank, _SEQ]} of this communicator; this is rank {self._rank}, "
+            f"#{everyone[self._rank, Field.SEQ]} of this communicator; this is rank {self._rank}, "
             f"shapes {_shapes_text(shapes)}). {by_rank}. {advice}"
         )
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from mpi_strategy._src.core import buffers
+from mpi_strategy._src.core.protocol import PIECE_ALIGN
 
 
 def as_bytes(array: np.ndarray) -> np.ndarray:
@@ -17,11 +18,11 @@ def as_bytes(array: np.ndarray) -> np.ndarray:
 
 
 def _padded(nbytes: int) -> int:
-    return -(-nbytes // 8) * 8  # every piece starts 8-byte aligned
+    return -(-nbytes // PIECE_ALIGN) * PIECE_ALIGN  # every piece starts aligned
 
 
 def concat_bytes(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """The bytes of ``arrays`` back to back, each piece padded to 8 bytes."""
+    """The bytes of ``arrays`` back to back, each piece padded to ``PIECE_ALIGN``."""
     sizes = [a.nbytes for a in arrays]
     out = np.zeros(sum(_padded(n) for n in sizes), np.uint8)
     offset = 0
@@ -47,7 +48,7 @@ def split_gathered(
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     rows = np.stack([received[s : s + 8 * k].view(np.int64) for s in starts.tolist()])
     nbytes = rows * row_bytes  # [rank, tensor]
-    padded = -(-nbytes // 8) * 8
+    padded = -(-nbytes // PIECE_ALIGN) * PIECE_ALIGN
     offsets = (starts + _padded(8 * k))[:, None] + np.cumsum(padded, axis=1) - padded
     totals = nbytes.sum(axis=0)
     slots = -(-totals // buffers.ALIGN_BYTES) * buffers.ALIGN_BYTES

@@ -1,8 +1,9 @@
 """MPI collectives as TensorFlow ops that every rank issues in the same order.
 
 MPI matches collectives by call order only. Each collective here is one
-stateful ``tf.numpy_function`` that reads and writes a per-communicator
-*ordering token* (a scalar resource variable). TensorFlow orders all ops that
+stateful op (a compiled kernel or a ``tf.numpy_function``: ``engines.py``)
+that reads and writes a per-communicator *ordering token* (a scalar resource
+variable). TensorFlow orders all ops that
 touch the same resource in program order, across ``tf.cond``, ``tf.while_loop``
 and nested function calls, so the collectives of one communicator run strictly
 one after another, in the order the program issued them, on every rank. This
@@ -12,28 +13,33 @@ passed to ``CollectiveReduceV2``).
 Inside each op, the ranks first agree on what the collective is
 (``rendezvous.py``): a mismatch raises the same error on every rank, and an
 optional timeout names the ranks that never arrived. These errors are raised
-in the op's Python function, so inside ``tf.function`` TensorFlow hands them
-to the caller as ``tf.errors`` classes (``errors.py`` says which). Data
+in the op (on the kernels' error path, in Python too), so inside
+``tf.function`` TensorFlow hands them to the caller as ``tf.errors`` classes
+(``errors.py`` says which). Data
 crosses MPI as raw buffers, never as pickles.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 import zlib
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
 from mpi_strategy._src import _tf_internal
-from mpi_strategy._src.core import timeline as timeline_lib
 from mpi_strategy._src.core.collectives import Collectives
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
 from mpi_strategy._src.core.rendezvous import ErrorClass, Rendezvous
+from mpi_strategy._src.distribute.engines import (
+    HOST,
+    Collective,
+    Engine,
+    NativeEngine,
+    PythonEngine,
+)
 from mpi_strategy._src.distribute.errors import CollectiveMismatchError, CollectiveTimeoutError
 from mpi_strategy._src.native import engine as native_engine
 
@@ -85,7 +91,11 @@ class OrderedComm:
         # TensorFlow 1 graphs (no variable to initialize there): the last
         # collective of each graph, and how many it has had.
         kernels = native_engine.kernels() if self.size > 1 else None
-        self._native = native_engine.NativeComm(kernels, self.collectives) if kernels else None
+        # Asked in order which runs each collective: the kernels where built.
+        self._engines: list[Engine] = [PythonEngine(self.collectives)]
+        if kernels is not None:
+            native = native_engine.NativeComm(kernels, self.collectives)
+            self._engines.insert(0, NativeEngine(native))
         self._chains: weakref.WeakKeyDictionary[tf.Graph, tuple[tf.Tensor, int]] = (
             weakref.WeakKeyDictionary()
         )
@@ -101,7 +111,7 @@ class OrderedComm:
     @staticmethod
     def _new_token() -> tf.Variable:
         # A plain (non-distributed) variable, outside any tf.function, on the host.
-        with tf.init_scope(), tf.device("/device:CPU:0"):
+        with tf.init_scope(), tf.device(HOST):
             return tf.Variable(
                 np.int64(0),
                 trainable=False,
@@ -123,99 +133,37 @@ class OrderedComm:
         """Marks the communicator failed and revokes it; returns the error to raise."""
         return self.collectives.ranks_lost(error)
 
-    # -- the one place a TF op calls MPI -------------------------------------
-    def _ordered_call(
-        self,
-        name: str,
-        fn: Callable[..., Sequence[np.ndarray]],
-        inputs: Sequence[tf.Tensor],
-        output_dtypes: Sequence[tf.DType],
-        native: Callable[[tf.Tensor, Sequence[tf.Tensor]], Sequence[tf.Tensor]] | None = None,
-    ) -> list[tf.Tensor]:
-        """Runs ``fn(token, *numpy_inputs) -> list of arrays`` as one ordered op,
-        or ``native(token, inputs) -> [next token, *outputs]`` (a compiled
-        kernel doing the same) when the native engine is active and no
-        timeline is recording.
+    @property
+    def engines(self) -> tuple[str, ...]:
+        """The engines asked, in order, which runs each collective ("native", "python")."""
+        return tuple(engine.name for engine in self._engines)
 
-        ``token`` (an int, the same on every rank) goes into the collective's
-        signature, so that ranks whose earlier constants differed raise.
-        """
-        trace = timeline_lib.current()
-        if native is None or self._native is None or trace is not None:
-            native = None
-            call = self._numpy_call(name, fn, output_dtypes, trace)
-        else:
-            call = native
+    # -- the one place a TF op calls MPI -------------------------------------
+    def _ordered_call(self, collective: Collective, inputs: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Runs ``collective`` on ``inputs`` as one op ordered after the
+        previous collective of this communicator, on the first engine that
+        runs it. Its ordering token (an int, the same on every rank) goes into
+        the agreement, so that ranks whose earlier constants differed raise."""
+        engine = next(e for e in self._engines if e.runs(collective))
         if not tf.executing_eagerly() and _in_graph_v1():  # (eager: never; cheap first)
-            return self._graph_v1_call(call, inputs)
-        with tf.device("/device:CPU:0"):
+            return self._graph_v1_call(engine, collective, inputs)
+        with tf.device(engine.device):
             token = self._token.read_value()
-            if native is not None and tf.executing_eagerly():
-                outputs = self._eager_native(call, token, inputs)
-            else:
-                outputs = call(token, inputs)
+            outputs = engine(collective, token, inputs)
             self._token.assign(outputs[0])
         return list(outputs[1:])
 
-    def _numpy_call(
-        self,
-        name: str,
-        fn: Callable[..., Sequence[np.ndarray]],
-        output_dtypes: Sequence[tf.DType],
-        trace: timeline_lib.Timeline | None,
-    ) -> Callable[[tf.Tensor, Sequence[tf.Tensor]], Sequence[tf.Tensor]]:
-        """``fn`` as one stateful ``tf.numpy_function`` taking and returning the token."""
-        if trace is not None:
-            fn = self.collectives.timed(fn, name, trace)
-        fn = self.collectives.guarded(fn)
-
-        def with_token(token: np.ndarray, *arrays: np.ndarray) -> list[Any]:
-            return [token + 1, *fn(int(token), *arrays)]
-
-        def call(token: tf.Tensor, tensors: Sequence[tf.Tensor]) -> Sequence[tf.Tensor]:
-            return tf.numpy_function(
-                with_token, [token, *tensors], [tf.int64, *output_dtypes], stateful=True, name=name
-            )
-
-        return call
-
-    def _eager_native(
-        self,
-        call: Callable[[tf.Tensor, Sequence[tf.Tensor]], Sequence[tf.Tensor]],
-        token: tf.Tensor,
-        inputs: Sequence[tf.Tensor],
-    ) -> Sequence[tf.Tensor]:
-        """A kernel's call in eager mode, raising the Python engine's exception
-        (its class, e.g. ``CollectiveMismatchError``) when the kernel failed."""
-        try:
-            return call(token, inputs)
-        except tf.errors.OpError:
-            assert self._native is not None
-            original = self._native.take_error()
-            if original is None:
-                raise
-            raise original from None
-
     def _graph_v1_call(
-        self,
-        call: Callable[[tf.Tensor, Sequence[tf.Tensor]], Sequence[tf.Tensor]],
-        inputs: Sequence[tf.Tensor],
+        self, engine: Engine, collective: Collective, inputs: Sequence[tf.Tensor]
     ) -> list[tf.Tensor]:
         """In a TensorFlow 1 graph, each collective runs after the graph's
         previous one (a control dependency), numbered in the order built."""
         graph = tf.compat.v1.get_default_graph()
         last, count = self._chains.get(graph, (None, 0))
-        with tf.device("/device:CPU:0"), tf.control_dependencies([] if last is None else [last]):
-            outputs = call(tf.constant(np.int64(count)), inputs)
+        with tf.device(engine.device), tf.control_dependencies([] if last is None else [last]):
+            outputs = engine(collective, tf.constant(np.int64(count)), inputs)
         self._chains[graph] = (outputs[0], count + 1)
         return list(outputs[1:])
-
-    def _kernels_for(
-        self, timeout: float | None, shapes_known: bool
-    ) -> native_engine.NativeComm | None:
-        """The native engine, when its kernels can run a collective: shapes
-        known when tracing, and no timeout (the Python engine polls for it)."""
-        return self._native if timeout is None and shapes_known else None
 
     # -- collectives -----------------------------------------------------------
     def allreduce_sum(self, x: tf.Tensor, timeout: float | None = None) -> tf.Tensor:
@@ -256,64 +204,22 @@ class OrderedComm:
                 f"MPI call; supported: one of {[d.name for d in REDUCIBLE_DTYPES]} "
                 "(float16/bfloat16 are summed in float32 by MPICrossDeviceOps)."
             )
-        if len(tensors) > 1 and _small_and_static(tensors):
-            shapes = [tuple(t.shape) for t in tensors]
-            kernels = self._kernels_for(timeout, True)
-            if kernels is not None:
-                # The kernel takes them as they are (no concat and split ops)
-                # and sends the bytes of their concatenation, as below.
-                return self._ordered_call(
-                    "MPIAllreduce",
-                    self._allreduce(op, shapes, timeout, concatenate=True),
-                    tensors,
-                    [t.dtype for t in tensors],
-                    lambda token, ins: kernels.allreduce(token, ins, op, shapes, contiguous=True),
-                )
-            flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
-            (summed,) = self._ordered_call(
-                "MPIAllreduce", self._allreduce(op, shapes, timeout), [flat], [flat.dtype]
-            )
-            parts = tf.split(summed, [math.prod(shape) for shape in shapes])
-            return [tf.reshape(part, shape) for part, shape in zip(parts, shapes)]
         static = all(t.shape.is_fully_defined() for t in tensors)
-        shapes = [tuple(t.shape) for t in tensors] if static else []
-        native = self._kernels_for(timeout, static)
         outs = self._ordered_call(
-            "MPIAllreduce",
-            self._allreduce(op, None, timeout),
+            Collective(
+                "allreduce",
+                "MPIAllreduce",
+                tuple(t.dtype for t in tensors),
+                op=op,
+                shapes=tuple(tuple(t.shape) for t in tensors) if static else None,
+                contiguous=len(tensors) > 1 and _small_and_static(tensors),
+                timeout=timeout,
+            ),
             tensors,
-            [t.dtype for t in tensors],
-            None
-            if native is None
-            else (lambda token, ins: native.allreduce(token, ins, op, shapes)),
         )
         for out, t in zip(outs, tensors):
             out.set_shape(t.shape)
         return outs
-
-    def _allreduce(
-        self,
-        op: str,
-        shapes: list[tuple[int, ...]] | None,
-        timeout: float | None,
-        concatenate: bool = False,
-    ) -> Callable[..., list[np.ndarray]]:
-        """The numpy function of an allreduce; ``shapes``: the tensors' shapes when
-        they arrive concatenated (the agreement compares these), else None.
-        ``concatenate``: they arrive apart and are concatenated here (what a
-        native kernel sends with ``contiguous``; only while a timeline records)."""
-        collectives = self.collectives
-
-        def allreduce(token: int, *arrays: np.ndarray) -> list[np.ndarray]:
-            return collectives.allreduce(arrays, op, shapes, timeout, token)
-
-        def concatenated(token: int, *arrays: np.ndarray) -> list[np.ndarray]:
-            flat = np.concatenate([a.reshape(-1) for a in arrays])
-            (out,) = collectives.allreduce([flat], op, shapes, timeout, token)
-            ends = np.cumsum([a.size for a in arrays])[:-1]
-            return [part.reshape(a.shape) for part, a in zip(np.split(out, ends), arrays)]
-
-        return concatenated if concatenate else allreduce
 
     def allgather(self, x: tf.Tensor, timeout: float | None = None) -> tf.Tensor:
         """Concatenation along axis 0 of ``x`` from every rank, in rank order.
@@ -335,21 +241,16 @@ class OrderedComm:
         _check_not_xla("allgather")
         if self.size == 1:
             return [tf.identity(x) for x in tensors]
-        collectives = self.collectives
-
-        def allgatherv(token: int, *arrays: np.ndarray) -> list[np.ndarray]:
-            return collectives.allgather(arrays, timeout, token)
-
-        native = self._kernels_for(
-            timeout,
-            all(x.shape.rank is not None and x.shape[1:].is_fully_defined() for x in tensors),
-        )
+        known = all(x.shape.rank is not None and x.shape[1:].is_fully_defined() for x in tensors)
         outs = self._ordered_call(
-            "MPIAllgather",
-            allgatherv,
+            Collective(
+                "allgather",
+                "MPIAllgather",
+                tuple(x.dtype for x in tensors),
+                shapes=tuple(tuple(x.shape[1:]) for x in tensors) if known else None,
+                timeout=timeout,
+            ),
             tensors,
-            [x.dtype for x in tensors],
-            None if native is None else native.allgather,
         )
         for out, x in zip(outs, tensors):
             out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
@@ -363,12 +264,9 @@ class OrderedComm:
         _check_not_xla("alltoall")
         if self.size == 1:
             return tf.identity(x)
-        collectives = self.collectives
-
-        def alltoall(token: int, array: np.ndarray) -> list[np.ndarray]:
-            return [collectives.alltoall(array, timeout, token)]
-
-        (out,) = self._ordered_call("MPIAlltoall", alltoall, [x], [x.dtype])
+        (out,) = self._ordered_call(
+            Collective("alltoall", "MPIAlltoall", (x.dtype,), timeout=timeout), [x]
+        )
         out.set_shape(x.shape)
         return out
 
@@ -382,18 +280,16 @@ class OrderedComm:
         _check_not_xla("broadcast")
         if self.size == 1:
             return tf.identity(x)
-        collectives = self.collectives
-
-        def bcast(token: int, array: np.ndarray) -> list[np.ndarray]:
-            return [collectives.broadcast(array, root, timeout, token)]
-
-        native = self._kernels_for(timeout, x.shape.is_fully_defined())
         (out,) = self._ordered_call(
-            "MPIBroadcast",
-            bcast,
+            Collective(
+                "broadcast",
+                "MPIBroadcast",
+                (x.dtype,),
+                root=root,
+                shapes=(tuple(x.shape),) if x.shape.is_fully_defined() else None,
+                timeout=timeout,
+            ),
             [x],
-            [x.dtype],
-            None if native is None else (lambda token, xs: native.broadcast(token, xs[0], root)),
         )
         out.set_shape(x.shape)
         return out
@@ -404,12 +300,10 @@ class OrderedComm:
         """``x`` (one shape and dtype on every rank) reduced with ``op``; this
         rank gets its share of the rows (``core.collectives.row_split``)."""
         _check_not_xla("reducescatter")
-        collectives = self.collectives
-
-        def reducescatter(token: int, array: np.ndarray) -> list[np.ndarray]:
-            return [collectives.reducescatter(array, op, timeout, token)]
-
-        (out,) = self._ordered_call("MPIReducescatter", reducescatter, [x], [x.dtype])
+        (out,) = self._ordered_call(
+            Collective("reducescatter", "MPIReducescatter", (x.dtype,), op=op, timeout=timeout),
+            [x],
+        )
         out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         return out
 
@@ -419,14 +313,9 @@ class OrderedComm:
         """The first ``splits[r]`` rows after those for lower ranks go to rank
         ``r``; returns (the rows received, in rank order; how many from each rank)."""
         _check_not_xla("alltoall")
-        collectives = self.collectives
-
-        def alltoallv(token: int, array: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
-            out, received = collectives.alltoallv(array, counts.tolist(), timeout, token)
-            return [out, received]
-
         out, received = self._ordered_call(
-            "MPIAlltoall", alltoallv, [x, tf.cast(splits, tf.int64)], [x.dtype, tf.int64]
+            Collective("alltoallv", "MPIAlltoall", (x.dtype, tf.int64), timeout=timeout),
+            [x, tf.cast(splits, tf.int64)],
         )
         out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         received.set_shape([self.size])
@@ -434,13 +323,9 @@ class OrderedComm:
 
     def barrier(self, timeout: float | None = None) -> tf.Tensor:
         """Returns (a scalar 0) once every rank has reached it."""
-        collectives = self.collectives
-
-        def barrier(token: int) -> list[np.ndarray]:
-            collectives.barrier(timeout)
-            return [np.int32(0)]
-
-        (out,) = self._ordered_call("MPIBarrier", barrier, [], [tf.int32])
+        (out,) = self._ordered_call(
+            Collective("barrier", "MPIBarrier", (tf.int32,), timeout=timeout), []
+        )
         out.set_shape([])
         return out
 
@@ -457,7 +342,7 @@ class OrderedComm:
         digest = 0
         for array in arrays:
             digest = zlib.crc32(f"{array.dtype}{array.shape}".encode() + array.tobytes(), digest)
-        with tf.device("/device:CPU:0"):
+        with tf.device(HOST):
             self._token.assign_add(digest & _CONSTANT_HASH_MASK)
 
 

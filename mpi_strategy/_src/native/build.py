@@ -1,10 +1,11 @@
 """Compiling the native kernels: once per TensorFlow build and compiler, into a cache.
 
-The source (``kernels.cc``) includes only TensorFlow's C API headers, which
-ship in every TensorFlow wheel, and links no MPI. The library goes to
+The sources (``kernels/``) include only TensorFlow's C API headers, which
+ship in every TensorFlow wheel, and the wire protocol's header, generated
+here from ``core/protocol.py``; it links no MPI. The library goes to
 ``$MPI_STRATEGY_CACHE_DIR`` (default ``~/.cache/mpi_strategy``), named by a
 hash of the source, the TensorFlow version, its compile and link flags and
-the machine: a new TensorFlow or a changed source builds anew. The ranks of
+the machine: a new TensorFlow, a changed source or protocol builds anew. The ranks of
 a node build it once, under a file lock; the others wait and load it.
 """
 
@@ -16,11 +17,16 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import tensorflow as tf
 
-SOURCE = Path(__file__).with_name("kernels.cc")
+from mpi_strategy._src.core import protocol
+
+SOURCES = sorted(Path(__file__).with_name("kernels").glob("*.cc"))
+HEADERS = sorted(Path(__file__).with_name("kernels").glob("*.h"))
+HEADER = "mpi_strategy_protocol.h"  # what the sources include: protocol.header()
 
 
 class BuildError(RuntimeError):
@@ -40,8 +46,9 @@ def compiler() -> str:
     return os.environ.get("CXX") or "c++"
 
 
-def command(output: Path) -> list[str]:
-    """The compiler's command line that builds the kernels into ``output``."""
+def command(output: Path, include: Path) -> list[str]:
+    """The compiler's command line that builds the kernels into ``output``,
+    with the protocol's header in the folder ``include``."""
     return [
         compiler(),
         "-O2",
@@ -50,7 +57,8 @@ def command(output: Path) -> list[str]:
         "-fwrapv",  # integer sums wrap around, as numpy's do
         "-fno-strict-aliasing",
         *tf.sysconfig.get_compile_flags(),
-        str(SOURCE),
+        f"-I{include}",
+        *map(str, SOURCES),
         "-o",
         str(output),
         *tf.sysconfig.get_link_flags(),
@@ -66,8 +74,11 @@ def library() -> Path:
     # Not the compiler: through TF's C API, any C++ compiler's build serves
     # (one built on a login node runs where no compiler is installed).
     flags = (tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags())
+    header = protocol.header()
     key = hashlib.sha256(
-        SOURCE.read_bytes() + repr((tf.__version__, flags, platform.machine())).encode()
+        b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
+        + header.encode()
+        + repr((tf.__version__, flags, platform.machine())).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"kernels-tf{tf.__version__}-{key}.so"
     if target.exists():
@@ -79,15 +90,20 @@ def library() -> Path:
         with open(target.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not target.exists():
-                _compile(target)
+                compile_into(target, header)
     except OSError as error:
         raise BuildError(f"cannot write the kernels to {target.parent}: {error}") from error
     return target
 
 
-def _compile(target: Path) -> None:
+def compile_into(target: Path, header: str) -> None:
+    """Compiles the kernels into ``target`` with ``header`` as the protocol's header."""
     partial = target.with_name(f"{target.name}.{os.getpid()}.part")
-    result = subprocess.run(command(partial), capture_output=True, text=True, check=False)
+    with tempfile.TemporaryDirectory(dir=target.parent) as include:
+        Path(include, HEADER).write_text(header)
+        result = subprocess.run(
+            command(partial, Path(include)), capture_output=True, text=True, check=False
+        )
     if result.returncode != 0:
         partial.unlink(missing_ok=True)
         last = "\n".join(result.stderr.strip().splitlines()[-5:])

@@ -1,4 +1,4 @@
-"""The native engine: allreduce and broadcast as compiled TensorFlow kernels.
+"""The native engine: all-reduce, broadcast and all-gather as compiled TensorFlow kernels.
 
 ``MPI_STRATEGY_KERNELS`` chooses: ``native`` (build them or raise), ``python``
 (the numpy engine, ``core/collectives.py``), or unset / ``auto``: native when
@@ -30,15 +30,14 @@ import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
-from mpi_strategy._src.core import rendezvous as rendezvous_lib, ulfm
+from mpi_strategy._src.core import protocol, rendezvous as rendezvous_lib, ulfm
 from mpi_strategy._src.core.collectives import REDUCTIONS, Collectives
 from mpi_strategy._src.core.errors import MPIStrategyError
-from mpi_strategy._src.core.rendezvous import NativeState, Shape, as_int64
+from mpi_strategy._src.core.protocol import Event, Op, State
+from mpi_strategy._src.core.rendezvous import Shape, as_int64
 from mpi_strategy._src.native import build
 
 KERNELS_ENV = "MPI_STRATEGY_KERNELS"
-_OPS = ("sum", "min", "max", "product")  # the kernels' op numbers
-_DISAGREEMENT, _MPI_ERROR, _BLOCKED = 1, 2, 3  # events (kernels.cc)
 _UNKNOWN = 2  # TF_Code of an exception that is not a tf.errors class
 
 _COMMS: dict[int, weakref.ref[Collectives]] = {}
@@ -65,10 +64,14 @@ class Kernels:
                 "from TensorFlow's threads need (mpi4py.rc.thread_level)"
             )
         path = build.library()
+        # TensorFlow first: it takes the ops registered while it loads the library.
         self.ops = tf.load_op_library(str(path))
-        init = ctypes.CDLL(str(path)).mpi_strategy_native_init
+        library = ctypes.CDLL(str(path))
+        check_protocol(library, path)
+        init = library.mpi_strategy_native_init
         handle = ctypes.c_ssize_t
         init.argtypes = [ctypes.c_char_p, handle, handle, handle, handle, _Resolve]
+        init.restype = ctypes.c_char_p
         missing = init(
             mpi4py.MPI.__file__.encode(),
             int(MPI.IN_PLACE),
@@ -77,11 +80,32 @@ class Kernels:
             as_int64(MPI.MAX.handle),
             _resolve_callback,
         )
-        if missing:
+        if missing is not None:
             raise Unavailable(
-                f"the MPI library mpi4py loaded ({mpi4py.MPI.__file__}) was not found "
-                f"or lacks a function (code {missing})"
+                f"the MPI library mpi4py loaded ({mpi4py.MPI.__file__}) lacks "
+                f"{missing.decode()} (or was not found)"
             )
+
+
+def check_protocol(library: ctypes.CDLL, path: object) -> None:
+    """Raises ``Unavailable`` unless ``library`` was compiled with this
+    Python's wire protocol (``core/protocol.py``), naming what differs."""
+    reported = b""
+    if hasattr(library, "mpi_strategy_protocol"):  # (else built before it was checked)
+        library.mpi_strategy_protocol.restype = ctypes.c_char_p
+        reported = library.mpi_strategy_protocol() or b""
+    theirs = dict(item.split("=") for item in reported.decode().split(";") if item)
+    ours = dict(item.split("=") for item in protocol.fingerprint().split(";") if item)
+    differ = [
+        f"{name}: {theirs.get(name, 'missing')} there, {ours.get(name, 'missing')} here"
+        for name in sorted(set(theirs) | set(ours))
+        if theirs.get(name) != ours.get(name)
+    ]
+    if differ:
+        raise Unavailable(
+            f"the kernels at {path} speak another wire protocol than core/protocol.py "
+            f"({'; '.join(differ[:4])}): rebuild them (remove the file)"
+        )
 
 
 @functools.cache
@@ -125,9 +149,9 @@ class NativeComm:
         self.id = next(_ids)
         _COMMS[self.id] = weakref.ref(collectives)
         state = collectives.rendezvous.state
-        state[NativeState.ENGINE] = self.id
+        state[State.ENGINE] = self.id
         _STATES.append(state)
-        weakref.finalize(collectives, state.__setitem__, NativeState.BLOCKED, 1)
+        weakref.finalize(collectives, state.__setitem__, State.BLOCKED, 1)
         self._state = state.ctypes.data
 
     @tf.autograph.experimental.do_not_convert
@@ -150,7 +174,7 @@ class NativeComm:
             name="MPIAllreduce",
             token=token,
             inputs=list(tensors),
-            op=_OPS.index(op),
+            op=Op[op.upper()].value,
             mpi_op=as_int64(mpi_op.handle),
             mpi_dtype=as_int64(MPI.Datatype.fromcode(np.dtype(dtype).char).handle),
             contiguous=int(contiguous),
@@ -218,15 +242,15 @@ def _site_id(shapes: Sequence[Shape]) -> int:
 def _resolve(
     engine: int, event: int, site: int, received: int, value: int, message: int, capacity: int
 ) -> int:
-    """A kernel's error path (kernels.cc ``AskPython``): 0 to go on, else a
+    """A kernel's error path (kernels/agreement.cc ``AskPython``): 0 to go on, else a
     TF_Code, with the message written to ``message``."""
     try:
         collectives = _COMMS[engine]()
         if collectives is None:
             raise MPIStrategyError("mpi_strategy: a collective ran on a freed communicator.")
-        if event == _BLOCKED:
+        if event == Event.BLOCKED:
             collectives.guarded(lambda: None)()
-        elif event == _MPI_ERROR:
+        elif event == Event.MPI_ERROR:
             error = MPI.Exception(value)
             if ulfm.is_process_failure(error):
                 raise collectives.ranks_lost(error) from error
@@ -248,7 +272,7 @@ def _resolve(
 
 
 def record_width(collectives: Collectives) -> int:
-    return int(collectives.rendezvous.state[NativeState.RECORD_BYTES])
+    return int(collectives.rendezvous.state[State.RECORD_BYTES])
 
 
 _Resolve = ctypes.CFUNCTYPE(

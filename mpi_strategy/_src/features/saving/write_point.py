@@ -57,6 +57,7 @@ import tensorflow as tf
 
 from mpi_strategy._src.core import filesystems, rendezvous as rendezvous_lib
 from mpi_strategy._src.core.errors import MPIStrategyError
+from mpi_strategy._src.core.protocol import Field
 from mpi_strategy._src.core.rendezvous import Kind, Rendezvous
 from mpi_strategy._src.distribute.ops import OrderedComm
 from mpi_strategy._src.distribute.strategy import MPIStrategy, job_id, newest_over_the_world
@@ -236,7 +237,7 @@ def write_point(ordered: OrderedComm, path: str | os.PathLike[str], what: str) -
         with _in_role(solo_role, rendezvous, alone=True):
             yield
         return
-    paths = everyone[:, -1]
+    paths = everyone[:, Field.BYTES]
     if np.all(paths == paths[0]):
         writes = _topology(ordered).writer_rank(path) == ordered.rank
     else:  # each rank named its own path (e.g. per-worker temporary directories)
@@ -361,7 +362,7 @@ def _meet_after(ordered: OrderedComm, what: str, path: str, failure: str) -> Non
     failure = failure[:_ERROR_CHARS]
     everyone = ordered.rendezvous.agree(WRITE_DONE, np.uint8, [], nbytes=len(failure))
     assert everyone is not None  # (not a partial kind)
-    if not everyone[:, -1].any():
+    if not everyone[:, Field.BYTES].any():
         return
     texts = filesystems.allgather_text(ordered.comm, failure)
     if failure:

@@ -1,0 +1,127 @@
+// What every kernel shares: the MPI functions, the way back to Python, the
+// kernel's state from tracing (Site), the agreement, and reading and writing
+// TensorFlow tensors. See collectives.cc for the whole picture.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+#include "tensorflow/c/kernels.h"
+#include "tensorflow/c/ops.h"
+#include "tensorflow/c/tf_datatype.h"
+#include "tensorflow/c/tf_status.h"
+#include "tensorflow/c/tf_tensor.h"
+#include "mpi_strategy_protocol.h"
+
+namespace mpi_strategy_kernels {
+
+using namespace protocol;  // NOLINT (the protocol is these files' vocabulary)
+
+using Handle = intptr_t;
+
+// The MPI functions used, typed with intptr_t handles (see above).
+struct Mpi {
+  int (*Iallgather)(const void*, int, Handle, void*, int, Handle, Handle, Handle*) = nullptr;
+  int (*Wait)(Handle*, void*) = nullptr;
+  int (*Allreduce)(const void*, void*, int, Handle, Handle, Handle) = nullptr;
+  int (*Bcast)(void*, int, Handle, int, Handle) = nullptr;
+  int (*Allgatherv)(const void*, int, Handle, void*, const int*, const int*, Handle,
+                    Handle) = nullptr;
+  int (*Iallreduce)(const void*, void*, int, Handle, Handle, Handle, Handle*) = nullptr;
+  int (*Allgather)(const void*, int, Handle, void*, int, Handle, Handle) = nullptr;
+  Handle in_place = 0;
+  Handle byte = 0;
+  Handle int64 = 0;
+  Handle max = 0;
+};
+extern Mpi mpi;
+
+// Python's answer on the error path: returns a TF_Code (0: go on, the
+// records in `received` are the agreed ones) and writes the message.
+using Resolve = int (*)(int64_t engine, int64_t event, int64_t site, void* received,
+                        int64_t value, char* message, int64_t capacity);
+extern Resolve resolve;
+
+// State: the per-communicator state, shared with Python (an int64 array
+// Python owns, protocol.State); the ordering token serializes every
+// collective of a communicator, so one kernel at a time touches it.
+
+// Packed buffers handed to TensorFlow as the outputs themselves (no copy
+// out), reused once TensorFlow has released every output (as core/buffers.py
+// BufferPool: reused memory spares the page faults of fresh pages, and the MPI
+// library reuses what it registered for it). `refs`: one for the pool, one
+// per output alive; the last one frees the slot's memory.
+struct Slot {
+  uint8_t* data = nullptr;
+  int64_t size = 0;
+  std::atomic<int64_t> refs{1};
+};
+
+void Release(Slot* slot);
+void ReleaseOutput(void* data, size_t len, void* slot);
+
+constexpr size_t kPoolSize = 4;
+
+class Pool {
+ public:
+  ~Pool() {
+    for (Slot* slot : slots_) Release(slot);
+  }
+  // A free slot of `size` bytes with `users` references taken, or nullptr.
+  Slot* Take(int64_t size, int64_t users) {
+    for (Slot* slot : slots_) {
+      int64_t free = 1;
+      if (slot->size == size && slot->refs.compare_exchange_strong(free, 1 + users)) return slot;
+    }
+    auto* slot = new Slot;
+    slot->size = size;
+    slot->data = static_cast<uint8_t*>(std::aligned_alloc(64, (size + 63) / 64 * 64));
+    if (slot->data == nullptr) {
+      delete slot;
+      return nullptr;
+    }
+    if (slots_.size() < kPoolSize) {
+      slots_.push_back(slot);
+      slot->refs = 1 + users;
+    } else {
+      slot->refs = users;  // (not pooled: freed with its last output)
+    }
+    return slot;
+  }
+
+ private:
+  std::vector<Slot*> slots_;
+};
+
+// What a kernel knows from tracing.
+struct Site {
+  State* state = nullptr;
+  int64_t site = 0, kind = 0, dtype_code = 0, count = 0, tensors = 0, layout = 0, root = 0;
+  int64_t op = kSum;  // (protocol.Op)
+  int64_t contiguous = 0;  // 1: tensors packed back to back (as concatenated)
+  Handle mpi_dtype = 0, mpi_op = 0;
+  std::vector<uint8_t> record, received, scratch;
+  Pool pool;
+};
+
+// The agreement (agreement.cc).
+bool AskPython(TF_OpKernelContext* ctx, const Site& site, Event event, int64_t value);
+bool MpiOk(TF_OpKernelContext* ctx, const Site& site, int rc);
+const int64_t* Signature(const Site& site, int64_t rank);
+bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
+           int64_t nbytes, bool* carried, int64_t rows = 0);
+const uint8_t* CarriedData(const Site& site, int64_t rank);
+
+// Tensors and ops (collectives.cc).
+bool Fail(TF_OpKernelContext* ctx, TF_Status* status);
+std::vector<int64_t> Dims(const TF_Tensor* tensor);
+bool SetToken(TF_OpKernelContext* ctx, TF_Status* status);
+int64_t ReadToken(TF_OpKernelContext* ctx, TF_Status* status);
+std::vector<TF_Tensor*> Inputs(TF_OpKernelContext* ctx, int n, TF_Status* status);
+TF_Tensor* OutputLike(TF_OpKernelContext* ctx, int index, TF_Status* status);
+void RegisterOp(const char* name, const char* input, const char* output, bool listed,
+                void (*compute)(void*, TF_OpKernelContext*), const char* types = "T: type");
+
+}  // namespace mpi_strategy_kernels
