@@ -54,7 +54,8 @@ from mpi_strategy._src.features.saving import write_point
 def synchronous_checkpoint_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """A Checkpoint method (``_tf_internal.ASYNC_CHECKPOINT_CALLS``) that ignores
     the asynchronous-checkpoint option for this library's checkpoints: a write
-    point must run in the calling thread, where the ranks meet."""
+    point must run in the calling thread, where the ranks meet (or it holds
+    the file lock)."""
 
     @functools.wraps(original)
     def synchronous(self: Any, file_prefix: Any, options: Any = None) -> Any:
@@ -67,7 +68,7 @@ def synchronous_checkpoint_wrapper(original: Callable[..., Any]) -> Callable[...
             options.experimental_enable_async_checkpoint = False
             logger.warning(
                 "mpi_strategy: asynchronous checkpoints are written "
-                "synchronously under MPIStrategy (every rank meets in the save)."
+                "synchronously under MPIStrategy (the ranks order their writes in the save)."
             )
         return original(self, file_prefix, options=options)
 
