@@ -421,25 +421,21 @@ def test_saves_no_strategy_owns_are_written_once_per_path_and_complete_on_return
 ):
     """Every rank saves the same unscoped objects to one path: without the lock
     they race (TensorFlow's ``<prefix>_temp`` staging, a half-written zip).
-    Repeated, each rank loading right after its save; and to a directory of
-    its own per rank (as node-local disks are), where each rank writes."""
+    Each is written once in all, and loads on every rank right after; to a
+    directory of its own per rank (as node-local disks are), each rank writes."""
     del strategy  # (the world's MPIStrategy exists: these saves are this library's work)
     model = _unscoped_model()
+    directory = os.path.join(shared_dir, "unscoped")
     wrote = 0
-    for attempt in range(2):
-        model.set_weights([np.full(w.shape, 0.5, w.dtype) for w in model.get_weights()])
-        directory = os.path.join(shared_dir, f"unscoped{attempt}")
-        for save in UNSCOPED_SAVES.values():
-            WORLD.Barrier()  # (the ranks start each save together)
-            before = written_bytes()
-            save(model, directory)
-            wrote += written_bytes() - before
-        _loads_unscoped(directory)
+    for save in UNSCOPED_SAVES.values():
+        WORLD.Barrier()  # (the ranks start each save together)
+        before = written_bytes()
+        save(model, directory)
+        wrote += written_bytes() - before
+    _loads_unscoped(directory)
     WORLD.Barrier()
     artifact_bytes = sum(
-        os.path.getsize(os.path.join(shared_dir, f"unscoped{attempt}", f))
-        for attempt in range(2)
-        for f in _files_under(os.path.join(shared_dir, f"unscoped{attempt}"))
+        os.path.getsize(os.path.join(directory, f)) for f in _files_under(directory)
     )
     # Once in all: one rank writes each (the others, in memory, nothing).
     assert WORLD.allreduce(wrote) <= artifact_bytes * 1.25 + SIZE * FIRST_CALL_BYTES
