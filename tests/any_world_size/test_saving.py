@@ -440,6 +440,7 @@ def test_saves_no_strategy_owns_are_written_once_per_path_and_complete_on_return
     # Once in all: one rank writes each (the others, in memory, nothing).
     assert WORLD.allreduce(wrote) <= artifact_bytes * 1.25 + SIZE * FIRST_CALL_BYTES
     own = os.path.join(shared_dir, f"rank{RANK}")
+    os.makedirs(own)  # (Keras creates no directory)
     before = written_bytes()
     model.save_weights(os.path.join(own, "w.weights.h5"))
     assert written_bytes() - before >= UNITS * FEATURES * 4  # (every rank wrote its copy)
