@@ -367,3 +367,106 @@ def test_only_chief_writes_is_deprecated_and_yields_the_path(shared_dir):
     target = os.path.join(shared_dir, "file.txt")
     with pytest.warns(DeprecationWarning), mpi_strategy.only_chief_writes(target) as where:
         assert where == target
+
+
+def _unscoped_model():
+    """A Keras model that no strategy built (outside any scope)."""
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(UNITS)])
+    model.set_weights([np.full(w.shape, 0.5, w.dtype) for w in model.get_weights()])
+    return model
+
+
+# name: save(object, directory) -> what load(directory) must give back
+UNSCOPED_SAVES = {
+    "Checkpoint.save": lambda m, d: tf.train.Checkpoint(model=m).save(os.path.join(d, "ckpt")),
+    "CheckpointManager.save": lambda m, d: tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=m), os.path.join(d, "manager"), 1
+    ).save(),
+    "tf.saved_model.save": lambda m, d: tf.saved_model.save(m, os.path.join(d, "sm")),
+    "keras.Model.save": lambda m, d: m.save(os.path.join(d, "m.keras")),
+    "keras.Model.save_weights": lambda m, d: m.save_weights(os.path.join(d, "w.weights.h5")),
+}
+
+
+def _loads_unscoped(directory):
+    """Loads what UNSCOPED_SAVES wrote under ``directory``: every copy complete."""
+    model = keras.models.load_model(os.path.join(directory, "m.keras"))
+    model.load_weights(os.path.join(directory, "w.weights.h5"))
+    for prefix in (
+        os.path.join(directory, "ckpt-1"),
+        tf.train.latest_checkpoint(os.path.join(directory, "manager")),
+    ):
+        tf.train.Checkpoint(model=model).read(prefix).assert_existing_objects_matched()
+    assert tf.saved_model.load(os.path.join(directory, "sm")) is not None
+    np.testing.assert_array_equal(model.get_weights()[0], np.full((FEATURES, UNITS), 0.5))
+
+
+def test_a_save_no_strategy_owns_makes_no_mpi_call(strategy, shared_dir):
+    """Outside any scope, an object that no strategy built: rank 0 saves it
+    alone while the other ranks wait in an MPI call of the program's own (a
+    barrier). A collective hidden in the save would make both wait for ever
+    (a launch that hangs: tests/launchers/test_under_mpiexec.py ends it)."""
+    del strategy  # (the world's MPIStrategy exists: these saves are this library's work)
+    directory = os.path.join(shared_dir, "unscoped-alone")
+    if RANK == 0:
+        model = _unscoped_model()
+        for save in UNSCOPED_SAVES.values():
+            save(model, directory)
+    WORLD.Barrier()
+    _loads_unscoped(directory)
+
+
+def test_saves_no_strategy_owns_are_written_once_per_path_and_complete_on_return(
+    strategy, shared_dir
+):
+    """Every rank saves the same unscoped objects to one path: without the lock
+    they race (TensorFlow's ``<prefix>_temp`` staging, a half-written zip).
+    Each is written once in all, and loads on every rank right after; to a
+    directory of its own per rank (as node-local disks are), each rank writes."""
+    del strategy  # (the world's MPIStrategy exists: these saves are this library's work)
+    model = _unscoped_model()
+    directory = os.path.join(shared_dir, "unscoped")
+    wrote = 0
+    for save in UNSCOPED_SAVES.values():
+        WORLD.Barrier()  # (the ranks start each save together)
+        before = written_bytes()
+        save(model, directory)
+        wrote += written_bytes() - before
+    _loads_unscoped(directory)
+    WORLD.Barrier()
+    artifact_bytes = sum(
+        os.path.getsize(os.path.join(directory, f)) for f in _files_under(directory)
+    )
+    # Once in all: one rank writes each (the others, in memory, nothing).
+    assert WORLD.allreduce(wrote) <= artifact_bytes * 1.25 + SIZE * FIRST_CALL_BYTES
+    own = os.path.join(shared_dir, f"rank{RANK}")
+    os.makedirs(own)  # (Keras creates no directory)
+    before = written_bytes()
+    model.save_weights(os.path.join(own, "w.weights.h5"))
+    assert written_bytes() - before >= UNITS * FEATURES * 4  # (every rank wrote its copy)
+    model.load_weights(os.path.join(own, "w.weights.h5"))
+
+
+def test_checkpoints_no_strategy_owns_never_race(strategy, shared_dir):
+    """As test_checkpoint_saves_on_every_rank_never_race, for a checkpoint of
+    a variable that no strategy built: the file lock, not a meeting."""
+    del strategy
+    variable = tf.Variable(tf.zeros([200_000]))
+    checkpoint = tf.train.Checkpoint(v=variable)
+    prefix = os.path.join(shared_dir, "unscoped-race", "ckpt")
+    for step in range(20):  # (without the lock, the 6th save failed)
+        variable.assign(tf.fill([200_000], float(step)))
+        WORLD.Barrier()  # (the ranks start each save together, as in a training loop)
+        path = checkpoint.save(prefix)
+        variable.assign(tf.zeros([200_000]))
+        checkpoint.restore(path).assert_consumed()
+        assert float(variable[-1]) == step
+
+
+def test_an_unknown_save_mode_raises():
+    from mpi_strategy._src._tf_internal import Instead, WriteCall
+    from mpi_strategy._src.features.saving import calls
+
+    assert all(calls.handler_for(WriteCall("m", "f", "path", mode, None)) for mode in Instead)
+    with pytest.raises(mpi_strategy.MPIStrategyError, match="unknown save mode 'memroy'"):
+        calls.handler_for(WriteCall("m", "f", "path", "memroy", None))
