@@ -47,7 +47,11 @@ The API, for tests (all client commands get ``env()``):
   "USR1"; ``batch``: only to the batch script's shell (``--batch``);
 - ``requeue(job_id)``: ``scontrol requeue``;
 - ``nodes``, ``addresses``, ``netns`` (the NetnsCluster, None on one node),
-  ``mpi_env()`` (UCX over TCP between namespaces), ``private_copy(node, path)``.
+  ``mpi_env()`` (for MPICH under srun: ``MPICH_UNDER_SRUN`` and UCX over TCP
+  between namespaces), ``private_copy(node, path)``;
+- ``for_tests()``: what the session fixture ``slurm`` (tests/conftest.py)
+  starts: 2 nodes with a node-local directory ``node_local`` (each node its
+  own), else 1 node (``multi_node_skip`` then says why), else the reason.
 
 Where namespaces cannot be made (not root, no iproute2): ``nodes=1`` runs one
 slurmd in the root namespace (127.0.0.1); asking for more raises
@@ -81,6 +85,11 @@ _PREFIX = "mpislurm"
 _DAEMONS = ("munged", "slurmctld", "slurmd")
 _OVER = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY")
 PACKAGES = "apt-get install slurm-wlm munge"
+# MPICH (the mpich wheel 5.0) under `srun --mpi=pmi2`: its PMI-2 start-up
+# requests, once TensorFlow was imported before MPI_Init, are rejected by
+# Slurm 22.05's pmi2 plugin ("mpi/pmi2: invalid client request") and the ranks
+# wait in MPI_Init; PMI-1, which the plugin also serves, works (docs/launching.md).
+MPICH_UNDER_SRUN = {"MPIR_CVAR_PMI_VERSION": "1"}
 
 
 class SlurmUnavailable(RuntimeError):
@@ -160,6 +169,26 @@ def remove_leftovers() -> None:
     netns_cluster.remove_leftovers()
 
 
+def for_tests() -> tuple[SlurmCluster | None, str]:
+    """An entered cluster of 2 nodes, else of 1; or (None, why not)."""
+    reason = unavailable_reason(1)
+    if reason:
+        return None, f"no Slurm here: {reason}"
+    local = os.path.join(tempfile.gettempdir(), f"{_PREFIX}{os.getpid()}-node-local")
+    why_one = unavailable_reason(2)
+    if why_one is None:
+        try:
+            return SlurmCluster(2, private_dirs=[local]).__enter__(), ""
+        except SlurmUnavailable as e:
+            why_one = str(e)
+    try:
+        cluster = SlurmCluster(1).__enter__()
+    except SlurmUnavailable as e:
+        return None, f"Slurm did not start: {e}"
+    cluster.multi_node_skip = f"one Slurm node only: {why_one}"
+    return cluster, ""
+
+
 class SlurmCluster:
     """munged + slurmctld + ``nodes`` slurmds; a context manager (see the module docstring)."""
 
@@ -181,6 +210,8 @@ class SlurmCluster:
         elif private_dirs:
             raise SlurmUnavailable("private_dirs need network namespaces (nodes >= 2)")
         self.n_nodes = nodes
+        self.node_local = self.netns.private_dirs[0] if self.netns and private_dirs else None
+        self.multi_node_skip = "" if nodes > 1 else "a cluster of one node"
         self.workdir = ""
         self._procs: list[subprocess.Popen] = []
         self._names: list[str] = []
@@ -227,6 +258,8 @@ class SlurmCluster:
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = ""
+        if self.node_local:  # the mount point (the copies were in the netns workdir)
+            shutil.rmtree(self.node_local, ignore_errors=True)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.workdir, name)
@@ -266,8 +299,7 @@ class SlurmCluster:
         self._wait_for(self._all_idle, "the nodes to be idle", "slurmctld.log")
 
     def _daemon(self, name: str, argv: list[str]) -> None:
-        log = open(self._path(f"{name}.out"), "wb")
-        with log:
+        with open(self._path(f"{name}.out"), "wb") as log:
             self._names.append(name)
             self._procs.append(
                 subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -353,8 +385,9 @@ class SlurmCluster:
         return {"SLURM_CONF": self.conf}
 
     def mpi_env(self) -> dict[str, str]:
-        """UCX over TCP between the nodes (MPICH's UCX would try shared memory)."""
-        return self.netns.mpi_env() if self.netns is not None else {}
+        """For MPICH under srun: PMI-1 (see MPICH_UNDER_SRUN), and UCX over TCP
+        between the nodes (MPICH's UCX would use shared memory across them)."""
+        return {**MPICH_UNDER_SRUN, **(self.netns.mpi_env() if self.netns is not None else {})}
 
     def private_copy(self, node: str, path: str) -> str:
         assert self.netns is not None, "private_dirs need nodes >= 2"
@@ -367,8 +400,21 @@ class SlurmCluster:
         silence: float = DEFAULT_SILENCE,
         cwd: str | None = None,
     ) -> tuple[int, str]:
-        """Runs a client command (srun, salloc, ...); returns (exit status, output)."""
-        return run_launcher(argv, silence, {**self.env(), **(env or {})}, cwd)
+        """Runs a client command (srun, salloc, ...); returns (exit status, output).
+
+        If it is killed (silent for ``silence`` s), the jobs it started are
+        cancelled: a killed srun or salloc leaves its job running.
+        """
+        before = set(self._job_ids())
+        try:
+            return run_launcher(argv, silence, {**self.env(), **(env or {})}, cwd)
+        except AssertionError:
+            for job_id in set(self._job_ids()) - before:
+                self.scancel(job_id)
+            raise
+
+    def _job_ids(self) -> list[str]:
+        return self._client("squeue", "-h", "-o", "%i").split()
 
     def srun(self, args: Sequence[str], **options) -> tuple[int, str]:
         return self.run(["srun", *args], **options)
@@ -397,9 +443,11 @@ class SlurmCluster:
         path = self._path(f"jobs/script-{time.monotonic_ns()}.sh")
         with open(path, "w") as f:
             f.write(script)
-        out_args = [] if {"-o", "--output"} & set(args) or any(
-            a.startswith("--output=") for a in args
-        ) else ["-o", self._path("jobs/%j.out")]
+        out_args = (
+            []
+            if {"-o", "--output"} & set(args) or any(a.startswith("--output=") for a in args)
+            else ["-o", self._path("jobs/%j.out")]
+        )
         proc = subprocess.run(
             ["sbatch", "--parsable", *out_args, *args, path],
             env={**os.environ, **self.env(), **(env or {})},
