@@ -29,8 +29,12 @@ finished job stays visible to ``scontrol`` for ``wait``), no accounting
 
 The API, for tests (all client commands get ``env()``):
 
-- ``env()``: ``SLURM_CONF`` (and nothing else) for any Slurm client you run
-  yourself (``salloc``, ``squeue``, a batch script's ``srun`` inherits it);
+- ``env()``: ``SLURM_CONF`` for any Slurm client you run yourself
+  (``salloc``, ``squeue``; a batch script's ``srun`` inherits it), and
+  ``HYDRA_CONFIG_FILE``: MPICH's ``mpiexec`` inside an allocation starts its
+  proxies with srun, and they connect back to the launching node by its
+  hostname, which inside a node's namespace is not that node: the file says
+  ``-localhost`` with the bridge address;
 - ``srun(args, env=None, silence=...) -> (exit status, output)`` and
   ``run(argv, ...)`` for any other client command (``salloc ...``), killed
   once silent for ``silence`` seconds (testing/launch.py's ``run_launcher``);
@@ -47,8 +51,7 @@ The API, for tests (all client commands get ``env()``):
   "USR1"; ``batch``: only to the batch script's shell (``--batch``);
 - ``requeue(job_id)``: ``scontrol requeue``;
 - ``nodes``, ``addresses``, ``netns`` (the NetnsCluster, None on one node),
-  ``mpi_env()`` (for MPICH under srun: ``MPICH_UNDER_SRUN`` and UCX over TCP
-  between namespaces), ``private_copy(node, path)``;
+  ``mpi_env()`` (UCX over TCP between namespaces), ``private_copy(node, path)``;
 - ``for_tests()``: what the session fixture ``slurm`` (tests/conftest.py)
   starts: 2 nodes with a node-local directory ``node_local`` (each node its
   own), else 1 node (``multi_node_skip`` then says why), else the reason.
@@ -85,11 +88,6 @@ _PREFIX = "mpislurm"
 _DAEMONS = ("munged", "slurmctld", "slurmd")
 _OVER = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY")
 PACKAGES = "apt-get install slurm-wlm munge"
-# MPICH (the mpich wheel 5.0) under `srun --mpi=pmi2`: its PMI-2 start-up
-# requests, once TensorFlow was imported before MPI_Init, are rejected by
-# Slurm 22.05's pmi2 plugin ("mpi/pmi2: invalid client request") and the ranks
-# wait in MPI_Init; PMI-1, which the plugin also serves, works (docs/launching.md).
-MPICH_UNDER_SRUN = {"MPIR_CVAR_PMI_VERSION": "1"}
 
 
 class SlurmUnavailable(RuntimeError):
@@ -289,6 +287,8 @@ class SlurmCluster:
         self.conf = self._path("slurm.conf")
         with open(self.conf, "w") as f:
             f.write(self.slurm_conf())
+        with open(self._path("hydra.conf"), "w") as f:
+            f.write(f"-localhost {self.controller_address}\n")
         self._daemon("slurmctld", ["slurmctld", "-D", "-f", self.conf])
         for node in self.nodes:
             os.makedirs(self._path(f"spool-{node}"))
@@ -382,12 +382,11 @@ class SlurmCluster:
     # -- clients ---------------------------------------------------------------------
     def env(self) -> dict[str, str]:
         """The environment a Slurm client needs (on top of os.environ)."""
-        return {"SLURM_CONF": self.conf}
+        return {"SLURM_CONF": self.conf, "HYDRA_CONFIG_FILE": self._path("hydra.conf")}
 
     def mpi_env(self) -> dict[str, str]:
-        """For MPICH under srun: PMI-1 (see MPICH_UNDER_SRUN), and UCX over TCP
-        between the nodes (MPICH's UCX would use shared memory across them)."""
-        return {**MPICH_UNDER_SRUN, **(self.netns.mpi_env() if self.netns is not None else {})}
+        """UCX over TCP between the nodes (MPICH's UCX would use shared memory across them)."""
+        return self.netns.mpi_env() if self.netns is not None else {}
 
     def private_copy(self, node: str, path: str) -> str:
         assert self.netns is not None, "private_dirs need nodes >= 2"
