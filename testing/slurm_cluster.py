@@ -418,10 +418,11 @@ class SlurmCluster:
     def srun(self, args: Sequence[str], **options) -> tuple[int, str]:
         return self.run(["srun", *args], **options)
 
-    def _client(self, *argv: str) -> str:
+    def _client(self, *argv: str, env: Mapping[str, str] | None = None) -> str:
+        """Runs a short client command; returns its output, raises if it fails."""
         proc = subprocess.run(
             argv,
-            env={**os.environ, **self.env()},
+            env={**os.environ, **self.env(), **(env or {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -447,17 +448,8 @@ class SlurmCluster:
             if {"-o", "--output"} & set(args) or any(a.startswith("--output=") for a in args)
             else ["-o", self._path("jobs/%j.out")]
         )
-        proc = subprocess.run(
-            ["sbatch", "--parsable", *out_args, *args, path],
-            env={**os.environ, **self.env(), **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=120,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"sbatch failed ({proc.returncode}): {proc.stdout}")
-        return proc.stdout.strip().splitlines()[-1].split(";")[0]
+        out = self._client("sbatch", "--parsable", *out_args, *args, path, env=env)
+        return out.strip().splitlines()[-1].split(";")[0]
 
     def job(self, job_id: str) -> JobInfo:
         out = self._client("scontrol", "show", "job", "-o", str(job_id))
