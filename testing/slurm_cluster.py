@@ -31,10 +31,11 @@ The API, for tests (all client commands get ``env()``):
 
 - ``env()``: ``SLURM_CONF`` for any Slurm client you run yourself
   (``salloc``, ``squeue``; a batch script's ``srun`` inherits it), and
-  ``HYDRA_CONFIG_FILE``: MPICH's ``mpiexec`` inside an allocation starts its
-  proxies with srun, and they connect back to the launching node by its
-  hostname, which inside a node's namespace is not that node: the file says
-  ``-localhost`` with the bridge address;
+  ``HYDRA_IFACE=eth0``: MPICH's ``mpiexec`` inside an allocation starts its
+  proxies with srun, and they connect back to it by its hostname, which no
+  node can resolve here; with the interface named, by its address (on a
+  node: the node's ``eth0``; in the root namespace: the machine's ``eth0``,
+  reached through the bridge);
 - ``srun(args, env=None, silence=...) -> (exit status, output)`` and
   ``run(argv, ...)`` for any other client command (``salloc ...``), killed
   once silent for ``silence`` seconds (testing/launch.py's ``run_launcher``);
@@ -287,8 +288,6 @@ class SlurmCluster:
         self.conf = self._path("slurm.conf")
         with open(self.conf, "w") as f:
             f.write(self.slurm_conf())
-        with open(self._path("hydra.conf"), "w") as f:
-            f.write(f"-localhost {self.controller_address}\n")
         self._daemon("slurmctld", ["slurmctld", "-D", "-f", self.conf])
         for node in self.nodes:
             os.makedirs(self._path(f"spool-{node}"))
@@ -382,7 +381,8 @@ class SlurmCluster:
     # -- clients ---------------------------------------------------------------------
     def env(self) -> dict[str, str]:
         """The environment a Slurm client needs (on top of os.environ)."""
-        return {"SLURM_CONF": self.conf, "HYDRA_CONFIG_FILE": self._path("hydra.conf")}
+        hydra = {"HYDRA_IFACE": self.netns.iface} if self.netns is not None else {}
+        return {"SLURM_CONF": self.conf, **hydra}
 
     def mpi_env(self) -> dict[str, str]:
         """UCX over TCP between the nodes (MPICH's UCX would use shared memory across them)."""
