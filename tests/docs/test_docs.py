@@ -28,7 +28,7 @@ shell blocks (``bash``, ``sh``, ``shell``, ``console``) need a marker:
       2 emulated nodes: fixture ``slurm``): ``SLURM_CONF`` set, ``sbatch``
       waits for its job (``SBATCH_WAIT``) whose output is shown on failure,
       and ``train.py`` (the docs' name for the reader's program) is a stand-in
-      that fails unless all of Slurm's tasks form one MPI world.
+      that fails unless its ranks form one MPI world spanning every allocated node.
   ``<!-- check: ci -->``
       not run here: each ``&&``-separated command must occur in .ci/run,
       which CI executes (possibly with extra arguments).
@@ -377,10 +377,11 @@ def test_shell_blocks_run(tmp_path):
 
 # The reader's program in `run: slurm` blocks: one MPI world of all the tasks.
 SLURM_TRAIN_STAND_IN = """
-import os
+import os, socket
 from mpi4py import MPI
-size, tasks = MPI.COMM_WORLD.Get_size(), int(os.environ["SLURM_NTASKS"])
-assert size == tasks > 1, f"a world of {size} process(es), {tasks} Slurm task(s)"
+world = MPI.COMM_WORLD
+hosts, nodes = set(world.allgather(socket.gethostname())), int(os.environ["SLURM_JOB_NUM_NODES"])
+assert world.Get_size() > 1 and len(hosts) == nodes, f"{world.Get_size()} rank(s) on {hosts}"
 """
 
 
