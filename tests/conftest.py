@@ -83,3 +83,18 @@ def pytest_configure(config):
         "markers",
         "device_agnostic: uses no strategy's local devices (not rerun with 2 devices per rank)",
     )
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A real Slurm cluster (testing/slurm_cluster.py), started once per pytest run:
+    2 nodes (network namespaces), else 1 node; skipped without the packages or root."""
+    from testing import slurm_cluster
+
+    cluster, reason = slurm_cluster.for_tests()
+    if cluster is None:
+        pytest.skip(reason)
+    try:
+        yield cluster
+    finally:
+        cluster.close()

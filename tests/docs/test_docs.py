@@ -23,6 +23,12 @@ shell blocks (``bash``, ``sh``, ``shell``, ``console``) need a marker:
       run with ``bash -euo pipefail`` in the page's scratch directory (which
       links ``examples/`` and ``benchmarks/`` and holds the page's ``file:``
       blocks), with a time limit.
+  ``<!-- run: slurm -->``
+      run the same way, against the test Slurm cluster (testing/slurm_cluster.py,
+      2 emulated nodes: fixture ``slurm``): ``SLURM_CONF`` set, ``sbatch``
+      waits for its job (``SBATCH_WAIT``) whose output is shown on failure,
+      and ``train.py`` (the docs' name for the reader's program) is a stand-in
+      that fails unless its ranks form one MPI world spanning every allocated node.
   ``<!-- check: ci -->``
       not run here: each ``&&``-separated command must occur in .ci/run,
       which CI executes (possibly with extra arguments).
@@ -131,9 +137,12 @@ class Block:
                 return "mpiexec"
             return f"error: unknown run {run!r} for python (python, mpiexec -n 2)"
         if self.lang in SHELL_LANGS:
-            if run == "shell":
-                return "shell"
-            return "error: shell blocks need <!-- run: shell --> or a <!-- check: ... --> marker"
+            if run in ("shell", "slurm"):
+                return run
+            return (
+                "error: shell blocks need <!-- run: shell -->, <!-- run: slurm --> or a "
+                "<!-- check: ... --> marker"
+            )
         return f"error: a {self.lang or 'plain'} block must be a <!-- file: NAME --> block"
 
 
@@ -212,7 +221,9 @@ def test_every_block_has_a_check():
     for b in blocks:
         if b.mode == "file":
             name = b.marker("file")[0]
-            users = [s for s in parse_page(b.page) if s.mode == "shell" and name in s.code]
+            users = [
+                s for s in parse_page(b.page) if s.mode in ("shell", "slurm") and name in s.code
+            ]
             launchers = [s for s in parse_page(b.page) if s.mode == "launcher" and name in s.code]
             if not users and not launchers:
                 errors.append(
@@ -331,8 +342,9 @@ def _scratch(tmp_path, page):
     return where
 
 
-def _run_bash(code, cwd, timeout=SHELL_TIMEOUT):
+def _run_bash(code, cwd, timeout=SHELL_TIMEOUT, extra_env=None):
     env = dict(ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.update(extra_env or {})
     proc = subprocess.Popen(
         ["bash", "-euo", "pipefail", "-c", code],
         cwd=cwd,
@@ -360,6 +372,33 @@ def test_shell_blocks_run(tmp_path):
             status = "TIMEOUT" if code is None else f"exit status {code}"
             out = re.sub(r"\[\d+\] ?", "", out)[-5000:]
             failures.append(f"{FAILED} {b.where} ({status}):\n{b.code}{out}")
+    assert not failures, "\n\n".join(failures)
+
+
+# The reader's program in `run: slurm` blocks: one MPI world of all the tasks.
+SLURM_TRAIN_STAND_IN = """
+import os, socket
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+hosts, nodes = set(world.allgather(socket.gethostname())), int(os.environ["SLURM_JOB_NUM_NODES"])
+assert world.Get_size() > 1 and len(hosts) == nodes, f"{world.Get_size()} rank(s) on {hosts}"
+"""
+
+
+def test_slurm_blocks_run_on_the_test_cluster(tmp_path, slurm):
+    if slurm.n_nodes < 2:
+        pytest.skip(slurm.multi_node_skip)
+    env = {**slurm.env(), **slurm.mpi_env(), "SBATCH_WAIT": "1"}
+    failures = []
+    for b in _by_mode("slurm"):
+        where = _scratch(tmp_path, b.page)
+        (where / "train.py").write_text(SLURM_TRAIN_STAND_IN)
+        code, out = _run_bash(b.code, where, extra_env=env)
+        if code != 0:
+            for job_output in sorted(where.glob("slurm-*.out")):
+                out += f"\n--- {job_output.name} ---\n{job_output.read_text()}"
+            status = "TIMEOUT" if code is None else f"exit status {code}"
+            failures.append(f"{FAILED} {b.where} ({status}):\n{b.code}{out[-5000:]}")
     assert not failures, "\n\n".join(failures)
 
 

