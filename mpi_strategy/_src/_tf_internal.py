@@ -236,8 +236,7 @@ PREEMPTION_HANDLER = (
 )
 PREEMPTION_HOOKS = (
     "_initialize_for_mirrored_and_multi_worker_mirrored",  # built as for one worker
-    "_sigterm_handler_fn",  # the signal is this rank's notice
-    "_maybe_set_received_own_sigterm",  # (termination_watcher_fn's polling too)
+    "_maybe_set_received_own_sigterm",  # SIGTERM or termination_watcher_fn: a notice
     "_check_preemption_and_maybe_checkpoint",  # the ranks' common decision
 )
 # Called or set by those overrides: `_save_checkpoint`, `_stop_poll_termination_signal_thread`,

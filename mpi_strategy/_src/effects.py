@@ -105,7 +105,6 @@ _PREEMPTION_WRAPPERS = dict(
         _tf_internal.PREEMPTION_HOOKS,
         (
             preemption.initialize_wrapper,
-            preemption.signal_handler_wrapper,
             preemption.own_notice_wrapper,
             preemption.check_wrapper,
         ),

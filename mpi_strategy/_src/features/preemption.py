@@ -66,21 +66,10 @@ def initialize_wrapper(original: Callable[..., None]) -> Callable[..., None]:
     return initialize
 
 
-def signal_handler_wrapper(original: Callable[..., None]) -> Callable[..., None]:
-    """``_sigterm_handler_fn``: the signal is this rank's notice."""
-
-    @functools.wraps(original)
-    def on_signal(handler: Any, signum: int, frame: Any) -> None:
-        if _resolver(handler) is not None:
-            rendezvous.post_notice(signum)
-        original(handler, signum, frame)
-
-    return on_signal
-
-
 def own_notice_wrapper(original: Callable[..., None]) -> Callable[..., None]:
-    """``_maybe_set_received_own_sigterm`` (also reached from the polling of
-    ``termination_watcher_fn``, which names no signal: posted as SIGTERM)."""
+    """``_maybe_set_received_own_sigterm``, which TensorFlow's SIGTERM handler
+    and its polling of ``termination_watcher_fn`` call: this rank's notice
+    (posted as SIGTERM either way)."""
 
     @functools.wraps(original)
     def received(handler: Any) -> None:
