@@ -7,7 +7,9 @@ the repository, and the child programs that the launcher tests run
 (tests/programs/).
 """
 
+import json
 import os
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -31,6 +33,19 @@ PROGRAMS = os.path.join(TESTS, "programs")
 def program(name):
     """The path of the child program ``name`` (tests/programs/NAME)."""
     return os.path.join(PROGRAMS, name)
+
+
+def reports(output):
+    """The ``REPORT {json}`` lines child programs print, as dicts (rank tags and
+    other ranks' output may split or join lines)."""
+    plain = re.sub(r"\[\d+\] ?", "", output)
+    return [json.loads(m) for m in re.findall(r"REPORT (\{[^{}]*\})", plain)]
+
+
+def saved_weights(path):
+    """The arrays of an ``np.savez(path, *model.get_weights())``, in order."""
+    with np.load(path) as f:
+        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
 
 
 # The op types of an MPI collective in a graph: the numpy engine's

@@ -252,3 +252,31 @@ ASYNC_CHECKPOINT_CALLS = (
     ("tensorflow.python.checkpoint.checkpoint:Checkpoint", "write"),
     ("tensorflow.python.checkpoint.checkpoint:Checkpoint", "_write"),
 )
+
+# tf.distribute.experimental.PreemptionCheckpointHandler agrees through TF's
+# coordination service; features/preemption overrides these private hooks of
+# it (effects.py installs them) to agree through the MPI agreement instead.
+PREEMPTION_HANDLER = (
+    "tensorflow.python.distribute.failure_handling.failure_handling:PreemptionCheckpointHandler"
+)
+PREEMPTION_HOOKS = (
+    "_initialize_for_mirrored_and_multi_worker_mirrored",  # built as for one worker
+    "_maybe_set_received_own_sigterm",  # SIGTERM or termination_watcher_fn: a notice
+    "_check_preemption_and_maybe_checkpoint",  # the ranks' common decision
+)
+# Called or set by those overrides: `_save_checkpoint`, `_stop_poll_termination_signal_thread`,
+# `_exit_fn`, `_grace_period`, `_estimated_run_time`, `_run_counter`,
+# `_final_checkpoint_countdown`, `_target_time_for_termination`, `_cluster_resolver`.
+from tensorflow.python.distribute.failure_handling import failure_handling as _failure_handling  # noqa: E402
+
+_missing_hooks = [
+    name
+    for name in (*PREEMPTION_HOOKS, "_save_checkpoint", "_stop_poll_termination_signal_thread")
+    if not hasattr(_failure_handling.PreemptionCheckpointHandler, name)
+]
+if _missing_hooks:  # pragma: no cover - only on an untested TF
+    raise MPIStrategyError(
+        f"TensorFlow {tf.__version__} has no PreemptionCheckpointHandler."
+        f"{', '.join(_missing_hooks)}, which mpi_strategy overrides. "
+        "Install a TensorFlow between 2.16 and 2.21."
+    )

@@ -31,7 +31,7 @@ from mpi_strategy._src import _keras_internal, _tf_internal
 from mpi_strategy._src.core import failure, logs, timeline
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.distribute import strategy as strategy_lib
-from mpi_strategy._src.features import ending, keras as keras_lib
+from mpi_strategy._src.features import ending, keras as keras_lib, preemption
 from mpi_strategy._src.features.elastic import ending as elastic_ending
 from mpi_strategy._src.features.saving import calls
 
@@ -78,6 +78,11 @@ EFFECTS = (
         "for a model of an MPIStrategy",
     ),
     Effect(
+        "PreemptionCheckpointHandler's private hooks (`_tf_internal.PREEMPTION_HOOKS`)",
+        "a notice on any rank makes every rank save at the same step and exit",
+        "for a handler built on an MPIStrategy's cluster resolver",
+    ),
+    Effect(
         "`sys.excepthook`",
         "an uncaught exception ends the whole MPI job instead of leaving ranks waiting",
         "once an MPIStrategy spans several ranks (or in a replacement of a lost rank)",
@@ -93,6 +98,18 @@ EFFECTS = (
         "every line tagged with the rank; ranks other than 0 show errors only",
         "the library's own logger only",
     ),
+)
+
+_PREEMPTION_WRAPPERS = dict(
+    zip(
+        _tf_internal.PREEMPTION_HOOKS,
+        (
+            preemption.initialize_wrapper,
+            preemption.own_notice_wrapper,
+            preemption.check_wrapper,
+        ),
+        strict=True,
+    )
 )
 
 # The one record of what is installed: (owner, attribute name) -> the original.
@@ -128,6 +145,8 @@ def install() -> None:
         )
     for owner, name in synchronous:  # (those not wrapped above)
         _replace(owner, name, calls.synchronous_checkpoint_wrapper)
+    for name, wrapper in _PREEMPTION_WRAPPERS.items():
+        _replace(_tf_internal.PREEMPTION_HANDLER, name, wrapper)
     for package, site in _keras_internal.SITES.items():
         if package in sys.modules:  # else at the next install (an MPIStrategy's scope)
             _adapt_keras(package, site)

@@ -37,7 +37,7 @@ import time
 import numpy as np
 import pytest
 
-from mpi_testing import REPO, program
+from mpi_testing import REPO, program, reports, saved_weights
 from testing.launch import is_open_mpi, run_mpiexec
 
 # Custom loop: STEPS steps, a checkpoint every CKPT_EVERY steps.
@@ -45,14 +45,6 @@ STEPS, CKPT_EVERY = 12, 3
 # Keras: EPOCHS epochs of BATCHES_PER_EPOCH batches.
 EPOCHS, BATCHES_PER_EPOCH = 4, 5
 KILL_DEADLINE = 30.0  # seconds from the kill to the end of the job
-
-
-def _reports(out):
-    import json
-
-    # Rank tags and other ranks' output may split or join lines.
-    plain = re.sub(r"\[\d+\] ?", "", out)
-    return [json.loads(m) for m in re.findall(r"REPORT (\{[^{}]*\})", plain)]
 
 
 def _launch(workdir, runs, expect_kill):
@@ -71,11 +63,11 @@ def _launch(workdir, runs, expect_kill):
     code, out = run_mpiexec(2, argv, silence=180, env=env)
     ended = time.time()
     print(f"launch {runs}: {ended - started:.1f} s")
-    reports = _reports(out)
+    found = reports(out)
     if not expect_kill:
         assert code == 0, out[-5000:]
-        return reports, out
-    kills = [r for r in reports if r["event"] == "kill"]
+        return found, out
+    kills = [r for r in found if r["event"] == "kill"]
     assert code != 0 and len(kills) == 1, out[-5000:]
     took = ended - kills[0]["time"]
     # A rank killed by a signal ends the job: MPICH's hydra kills the other
@@ -85,12 +77,7 @@ def _launch(workdir, runs, expect_kill):
         plain = re.sub(r"\[\d+\] ?", "", out)
         assert "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES" in plain, out[-3000:]
         assert "Killed (signal 9)" in plain, out[-3000:]
-    return reports, out
-
-
-def _weights(path):
-    with np.load(path) as f:
-        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+    return found, out
 
 
 def _assert_same_weights(got, want, what):
@@ -113,12 +100,12 @@ def test_killed_jobs_resume_to_the_uninterrupted_weights(tmp_path):
     print(what)
 
     _launch(tmp_path, [f"custom:run:{custom_kill}"], expect_kill=True)
-    reports, out = _launch(
+    found, out = _launch(
         tmp_path,
         ["custom:run:0", "custom:reference:0", f"keras:run:{keras_kill}"],
         expect_kill=True,
     )
-    starts = [r for r in reports if r["event"] == "start" and r["variant"] == "custom"]
+    starts = [r for r in found if r["event"] == "start" and r["variant"] == "custom"]
     resumed_at = (custom_kill // CKPT_EVERY) * CKPT_EVERY
     for rank in (0, 1):  # the resumed run, then the uninterrupted one
         assert [r["start_step"] for r in starts if r["rank"] == rank] == [resumed_at, 0], (
@@ -126,13 +113,17 @@ def test_killed_jobs_resume_to_the_uninterrupted_weights(tmp_path):
             out[-5000:],
         )
     _assert_same_weights(
-        _weights(tmp_path / "custom-run.npz"), _weights(tmp_path / "custom-reference.npz"), what
+        saved_weights(tmp_path / "custom-run.npz"),
+        saved_weights(tmp_path / "custom-reference.npz"),
+        what,
     )
 
-    reports, out = _launch(tmp_path, ["keras:run:0", "keras:reference:0"], expect_kill=False)
-    epochs_run = [r["epochs_run"] for r in reports if r["event"] == "fitted" and r["rank"] == 0]
+    found, out = _launch(tmp_path, ["keras:run:0", "keras:reference:0"], expect_kill=False)
+    epochs_run = [r["epochs_run"] for r in found if r["event"] == "fitted" and r["rank"] == 0]
     # Resumed at the start of the epoch in which the kill landed.
     assert epochs_run == [EPOCHS - epoch, EPOCHS], (what, out[-5000:])
     _assert_same_weights(
-        _weights(tmp_path / "keras-run.npz"), _weights(tmp_path / "keras-reference.npz"), what
+        saved_weights(tmp_path / "keras-run.npz"),
+        saved_weights(tmp_path / "keras-reference.npz"),
+        what,
     )

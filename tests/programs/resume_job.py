@@ -1,18 +1,23 @@
-"""Run by tests/launchers/test_resume.py on 2 ranks:
+"""Run by tests/launchers/test_resume.py (2 ranks) and test_preemption.py (2, 3):
 ``python resume_job.py WORKDIR STEPS CKPT_EVERY EPOCHS BATCHES_PER_EPOCH RUN...``.
 
 Each RUN is ``variant:name:kill_step`` (variant ``custom`` or ``keras``;
 kill_step 0: no kill): a custom loop with a CheckpointManager, or Keras fit
 with BackupAndRestore, in WORKDIR/variant-name, where rank 1 SIGKILLs itself
-after step kill_step. Each rank prints REPORT lines (JSON) and rank 0 saves
-the final weights. Relaunched, a killed run resumes; the test shows that it
-ends with the weights of an uninterrupted run.
+after step kill_step. Variant ``handler`` (tests/launchers/test_preemption.py):
+the custom loop under TensorFlow's PreemptionCheckpointHandler, with a
+preemption notice instead of kill_step (see ``preempted``).
+Each rank prints REPORT lines (JSON) and rank 0 saves the final weights.
+Relaunched, a killed run resumes; the test shows that it ends with the
+weights of an uninterrupted run.
 """
 
+import atexit
 import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -62,7 +67,8 @@ def examples(start_step):
     return strategy.experimental_distribute_dataset(ds.batch(GLOBAL_BATCH))
 
 
-def custom(ckpt_dir, kill_step):
+def trainer():
+    """A model, its optimizer and a distributed training step, the same in every run."""
     with strategy.scope():
         model = tf.keras.Sequential(
             [tf.keras.Input((3,)), tf.keras.layers.Dense(4, "tanh"), tf.keras.layers.Dense(1)]
@@ -70,12 +76,6 @@ def custom(ckpt_dir, kill_step):
         deterministic_weights(model)
         optimizer = tf.keras.optimizers.Adam(0.05)
         optimizer.build(model.trainable_variables)
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-    latest = tf.train.latest_checkpoint(ckpt_dir)
-    if latest:  # every rank restores
-        checkpoint.restore(latest).assert_existing_objects_matched()
-    start = int(optimizer.iterations.numpy())
-    report(event="start", variant="custom", start_step=start)
 
     @tf.function
     def train_step(batch):
@@ -88,6 +88,18 @@ def custom(ckpt_dir, kill_step):
 
         strategy.run(replica_step, args=batch)
 
+    return model, optimizer, train_step
+
+
+def custom(ckpt_dir, kill_step):
+    model, optimizer, train_step = trainer()
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    latest = tf.train.latest_checkpoint(ckpt_dir)
+    if latest:  # every rank restores
+        checkpoint.restore(latest).assert_existing_objects_matched()
+    start = int(optimizer.iterations.numpy())
+    report(event="start", variant="custom", start_step=start)
+
     for step, batch in enumerate(examples(start), start=start + 1):
         train_step(batch)
         if step % CKPT_EVERY == 0:  # every rank saves, rank 0 writes
@@ -96,6 +108,48 @@ def custom(ckpt_dir, kill_step):
             )
         if rank == 1 and step == kill_step:
             kill_myself(step)
+    return model
+
+
+def preempted(ckpt_dir, notice):
+    """TensorFlow's PreemptionCheckpointHandler around the custom loop. ``notice``:
+    "0" (none) or "SIGNAL/RANKS/STEP[/stall]": each of RANKS ("0+last": rank 0
+    and the last one) sends itself SIGNAL after step STEP (SIGUSR1: a signal the program watches
+    through TerminationConfig.termination_watcher_fn); "stall": the last rank
+    then stops before the next step (until the test kills the job)."""
+    model, optimizer, train_step = trainer()
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    manager = tf.train.CheckpointManager(checkpoint, ckpt_dir, max_to_keep=2)
+    fields = notice.split("/") if notice != "0" else ["", "-1", "0"]
+    signame, notice_rank, notice_step = fields[:3]
+    stall = fields[3:] == ["stall"]
+    size = MPI.COMM_WORLD.Get_size()
+    noticing = {size - 1 if r == "last" else int(r) for r in notice_rank.split("+")}
+    watched = threading.Event()
+    config = None
+    if signame == "SIGUSR1":
+        signal.signal(signal.SIGUSR1, lambda signum, frame: watched.set())
+        config = tf.distribute.experimental.TerminationConfig(termination_watcher_fn=watched.is_set)
+    with strategy.scope():
+        handler = tf.distribute.experimental.PreemptionCheckpointHandler(
+            strategy.cluster_resolver, manager, termination_config=config
+        )
+    start = int(optimizer.iterations.numpy())  # restored by the handler
+    name = os.path.basename(ckpt_dir)
+    report(event="start", variant="handler", run=name, start_step=start, pid=os.getpid())
+    atexit.register(lambda: report(event="exit", run=name, steps=int(optimizer.iterations.numpy())))
+    for step, batch in enumerate(examples(start), start=start + 1):
+        handler.run(train_step, batch)
+        if step % CKPT_EVERY == 0:
+            manager.save()
+        if step == int(notice_step) and rank in noticing:
+            report(event="notice", step=step, signal=signame)
+            os.kill(os.getpid(), getattr(signal, signame))
+            if signame == "SIGUSR1":  # (before the next step, for a known step to save at)
+                handler._received_own_sigterm.wait()
+        if step == int(notice_step) and stall and rank == size - 1:
+            report(event="stalled", step=step)
+            time.sleep(3600)
     return model
 
 
@@ -137,8 +191,10 @@ def keras(backup_dir, kill_step):
 # Each further argument is one run: variant:directory:kill_step (0: no kill).
 for run in sys.argv[6:]:
     variant, name, kill_step = run.split(":")
-    model = {"custom": custom, "keras": keras}[variant](
-        os.path.join(WORKDIR, f"{variant}-{name}"), int(kill_step)
+    run_it = {"custom": custom, "keras": keras, "handler": preempted}[variant]
+    model = run_it(
+        os.path.join(WORKDIR, f"{variant}-{name}"),
+        kill_step if variant == "handler" else int(kill_step),
     )
     if rank == 0:
         np.savez(os.path.join(WORKDIR, f"{variant}-{name}.npz"), *model.get_weights())

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import socket
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
+
+if TYPE_CHECKING:
+    from mpi_strategy._src.distribute.ops import OrderedComm
 
 _HOST_BYTES = 256
 # What TensorFlow's resolvers count in num_accelerators() (not CPUs).
@@ -26,11 +30,17 @@ class MPIClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
     """
 
     def __init__(
-        self, comm: MPI.Intracomm, num_local_devices: dict[str, int] | None = None
+        self,
+        comm: MPI.Intracomm,
+        num_local_devices: dict[str, int] | None = None,
+        ordered_comm: Callable[[], OrderedComm] | None = None,
     ) -> None:
         """``num_local_devices``: this rank's devices by type, e.g. ``{"GPU": 2}``
-        (CPUs may be listed; they are not accelerators)."""
+        (CPUs may be listed; they are not accelerators). ``ordered_comm``: the
+        strategy's collectives (what TensorFlow's preemption handler agrees
+        through, ``features/preemption``)."""
         self._comm = comm
+        self._ordered_comm = ordered_comm
         self._num_accelerators = {
             kind: int(n)
             for kind, n in (num_local_devices or {}).items()
@@ -60,6 +70,18 @@ class MPIClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
     def master(self, task_type: Any = None, task_id: Any = None, rpc_layer: Any = None) -> str:
         del task_type, task_id, rpc_layer
         return ""  # no TF server: there is nothing to connect to
+
+    def ordered_comm(self) -> OrderedComm:
+        """The ordered communicator of the strategy this resolver describes."""
+        if self._ordered_comm is None:
+            raise ValueError("mpi_strategy: this resolver belongs to no MPIStrategy.")
+        return self._ordered_comm()
+
+    def noticed(self) -> tuple[int, int] | None:
+        """``(signal, collective number)``: the first preemption notice any rank
+        posted, learnt from a collective of the strategy; the same on every
+        rank once that collective is done (None: no notice yet)."""
+        return self.ordered_comm().rendezvous.noticed
 
     def num_accelerators(
         self, task_type: Any = None, task_id: Any = None, config_proto: Any = None

@@ -189,7 +189,9 @@ class MPIExtended(_tf_internal.MirroredExtended):
         self._communication_options = communication_options
         self.experimental_enable_get_next_as_optional = True
         self._cluster_resolver = MPIClusterResolver(
-            comm, {_device_type(self._devices[0]): len(self._devices)}
+            comm,
+            {_device_type(self._devices[0]): len(self._devices)},
+            ordered_comm=lambda: self.ordered_comm,
         )
         # Read by tf_keras (as from MultiWorkerMirroredStrategy) to name the
         # scratch directories where non-chief ranks write checkpoints.
@@ -240,7 +242,9 @@ class MPIExtended(_tf_internal.MirroredExtended):
         )
         _state["world"] = self._container_strategy()  # all the living ranks
         self._cluster_resolver = MPIClusterResolver(
-            comm, {_device_type(self._devices[0]): len(self._devices)}
+            comm,
+            {_device_type(self._devices[0]): len(self._devices)},
+            ordered_comm=lambda: self.ordered_comm,
         )
         self._task_id = self._rank
         logs.set_rank(self._rank, self._num_ranks)  # rank 0 of the survivors speaks
