@@ -35,7 +35,7 @@ from mpi_strategy._src.core import failure, logs, ulfm
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.distribute.ops import OrderedComm
-from mpi_strategy._src.features.elastic import ending as elastic_ending
+from mpi_strategy._src.features.elastic import ending as elastic_ending, recovery
 from mpi_strategy._src.horovod import basics
 from mpi_strategy._src.horovod.basics import global_process_set
 from mpi_strategy._src.horovod.errors import HorovodInternalError, HostsUpdatedInterrupt
@@ -408,16 +408,7 @@ def _continue_on_survivors() -> None:
     ordered = global_process_set.comm()
     before, rank_before = ordered.size, ordered.rank
     _retire(ordered)
-    comm = ordered.comm
-    while True:
-        survivors = ulfm.shrink(comm)
-        try:
-            basics.continue_on(survivors)
-            break
-        except MPI.Exception as error:  # another rank died meanwhile: shrink again
-            if not ulfm.is_process_failure(error):
-                raise
-            comm = survivors
+    survivors, _ = recovery.shrink_and_continue(ordered.comm, basics.continue_on)
     logs.set_rank(survivors.Get_rank(), survivors.Get_size())  # rank 0 of the survivors speaks
     logger.warning(
         "mpi_strategy.horovod.elastic: lost %d rank(s); continuing on %d from the last "
