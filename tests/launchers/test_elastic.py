@@ -339,7 +339,7 @@ def test_horovod_elastic_run_says_why_a_function_traced_before_it_cannot_go_on()
 
 @pytest.mark.single_process
 @pytest.mark.parametrize("face", ["elastic", "hvd.elastic"])
-def test_a_rank_lost_during_the_recovery_makes_the_survivors_shrink_again(uninterrupted, face):
+def test_a_rank_lost_during_the_recovery_makes_the_survivors_shrink_again(request, face):
     # 4 ranks: rank 3 dies in a step; rank 1 once the survivors have shrunk
     # together, while they rebuild on that communicator
     # (tests/programs/killed_during_recovery.py). The two left shrink again,
@@ -348,7 +348,7 @@ def test_a_rank_lost_during_the_recovery_makes_the_survivors_shrink_again(uninte
     wrapper = program("killed_during_recovery.py")
     if face == "elastic":
         got, out = _launch(4, ["3@12"], example=wrapper, args=("1", EXAMPLE, *STEPS))
-        _assert_same_run(got, uninterrupted)
+        _assert_same_run(got, request.getfixturevalue("uninterrupted"))
     else:
         got, out = _launch(4, ["3@5"], example=wrapper, args=("1", program("horovod_elastic.py")))
         # Steps 0-3 (committed) on 4 ranks, 4-11 on 2: the one-process run.
