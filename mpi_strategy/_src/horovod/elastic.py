@@ -4,10 +4,12 @@
 (Open MPI 5's ``mpirun --with-ft ulfm``), the collective that notices it
 revokes its communicator (``core/collectives.py``), so that every survivor's
 collective raises ``RanksLostError``; ``run`` then, on every survivor, shrinks
-the global process set's communicator to the living ranks (``core/ulfm.py``),
-continues Horovod's global process set on them (new ``rank()`` and
-``size()``), restores the state's last commit, runs its reset callbacks,
-broadcasts the state from the new rank 0 (``sync``) and calls ``func`` again.
+the global process set's communicator to the living ranks and continues
+Horovod's global process set on them (new ``rank()`` and ``size()``; the
+library's recovery routine, ``features/elastic/recovery.py``, which shrinks
+again if another rank dies meanwhile), restores the state's last commit,
+runs its reset callbacks, broadcasts the state from the new rank 0
+(``sync``) and calls ``func`` again.
 Without ULFM (MPICH, or Open MPI without ``--with-ft ulfm``) a lost rank ends
 the job, as without elastic mode.
 
