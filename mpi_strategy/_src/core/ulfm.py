@@ -66,6 +66,17 @@ def shrink(comm: MPI.Intracomm) -> MPI.Intracomm:
             comm = survivors
 
 
+def all_agree(comm: MPI.Intracomm, mine: bool) -> bool:
+    """ULFM's agreement: True on every living rank of ``comm`` if each of them
+    passed True and none died meanwhile, else False on every one."""
+    try:
+        return bool(comm.Agree(int(mine)))
+    except MPI.Exception as error:
+        if not is_process_failure(error):
+            raise
+        return False
+
+
 def meet_the_living(comm: MPI.Intracomm) -> None:
     """ULFM's agreement: returns on every living rank, failed or not."""
     try:

@@ -2,9 +2,11 @@
 or per bucket of about ``bytes_per_pack`` bytes.
 
 ``fused_allreduce(tensors, allreduce_packed)`` groups the tensors by the dtype
-they travel in and sums each group with one ``allreduce_packed`` call (which
-packs the group into one buffer). float16 and bfloat16 travel and are summed
-as float32 (MPI has no portable half-precision sum), then cast back.
+they travel in and reduces each group with one ``allreduce_packed`` call (which
+packs the group into one buffer): a sum for the strategy, also a min, max or
+product for Horovod's API (``horovod/ops.py``). float16 and bfloat16 travel and
+are reduced as float32 (MPI has no portable half-precision reduction), then
+cast back.
 
 With ``bytes_per_pack > 0`` (``CommunicationOptions.bytes_per_pack``) each
 group is cut into buckets of about that many bytes, built from the group's
@@ -29,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-# Dtypes that are summed in a wider dtype, and the one they are summed in.
+# Dtypes that are reduced in a wider dtype, and the one they are reduced in.
 _WIRE_DTYPE = {tf.float16: tf.float32, tf.bfloat16: tf.float32}
 
 
@@ -42,13 +44,14 @@ def fused_allreduce(
     allreduce_packed: Callable[[list[tf.Tensor]], list[tf.Tensor]],
     bytes_per_pack: int | None = 0,
 ) -> list[tf.Tensor]:
-    """Sums each tensor across ranks with one ``allreduce_packed`` call per wire
-    dtype, or per bucket of about ``bytes_per_pack`` bytes.
+    """Reduces each tensor across ranks with one ``allreduce_packed`` call per
+    wire dtype, or per bucket of about ``bytes_per_pack`` bytes.
 
     Args:
       tensors: a list of dense tensors (any shapes).
-      allreduce_packed: sums a list of tensors of one dtype across ranks in one
-        message (``OrderedComm.allreduce_sum_packed``).
+      allreduce_packed: reduces a list of tensors of one dtype across ranks in
+        one message (``OrderedComm.allreduce_sum_packed``, or
+        ``allreduce_packed`` with another op).
       bytes_per_pack: 0 (default): one call per wire dtype. > 0: each wire
         dtype's tensors in buckets (see ``buckets``), last tensors first.
 

@@ -4,10 +4,12 @@
 (Open MPI 5's ``mpirun --with-ft ulfm``), the collective that notices it
 revokes its communicator (``core/collectives.py``), so that every survivor's
 collective raises ``RanksLostError``; ``run`` then, on every survivor, shrinks
-the global process set's communicator to the living ranks (``core/ulfm.py``),
-continues Horovod's global process set on them (new ``rank()`` and
-``size()``), restores the state's last commit, runs its reset callbacks,
-broadcasts the state from the new rank 0 (``sync``) and calls ``func`` again.
+the global process set's communicator to the living ranks and continues
+Horovod's global process set on them (new ``rank()`` and ``size()``; the
+library's recovery routine, ``features/elastic/recovery.py``, which shrinks
+again if another rank dies meanwhile), restores the state's last commit,
+runs its reset callbacks, broadcasts the state from the new rank 0
+(``sync``) and calls ``func`` again.
 Without ULFM (MPICH, or Open MPI without ``--with-ft ulfm``) a lost rank ends
 the job, as without elastic mode.
 
@@ -35,7 +37,7 @@ from mpi_strategy._src.core import failure, logs, ulfm
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.distribute.ops import OrderedComm
-from mpi_strategy._src.features.elastic import ending as elastic_ending
+from mpi_strategy._src.features.elastic import ending as elastic_ending, recovery
 from mpi_strategy._src.horovod import basics
 from mpi_strategy._src.horovod.basics import global_process_set
 from mpi_strategy._src.horovod.errors import HorovodInternalError, HostsUpdatedInterrupt
@@ -408,16 +410,7 @@ def _continue_on_survivors() -> None:
     ordered = global_process_set.comm()
     before, rank_before = ordered.size, ordered.rank
     _retire(ordered)
-    comm = ordered.comm
-    while True:
-        survivors = ulfm.shrink(comm)
-        try:
-            basics.continue_on(survivors)
-            break
-        except MPI.Exception as error:  # another rank died meanwhile: shrink again
-            if not ulfm.is_process_failure(error):
-                raise
-            comm = survivors
+    survivors, _ = recovery.shrink_and_continue(ordered.comm, basics.continue_on)
     logs.set_rank(survivors.Get_rank(), survivors.Get_size())  # rank 0 of the survivors speaks
     logger.warning(
         "mpi_strategy.horovod.elastic: lost %d rank(s); continuing on %d from the last "

@@ -14,15 +14,13 @@ from typing import Any
 
 import tensorflow as tf
 
+from mpi_strategy._src.distribute import fusion
 from mpi_strategy._src.horovod import basics
 from mpi_strategy._src.horovod.basics import ProcessSet, global_process_set
 
 # Horovod's reduction ops (the same numbers as Horovod's).
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _OP_NAMES = {Sum: "sum", Min: "min", Max: "max", Product: "product"}
-
-# Reduced in float32 (MPI has no portable half-precision reduction).
-_WIDENED = (tf.float16, tf.bfloat16)
 
 
 def handle_average_backwards_compatibility(op: int | None, average: bool | None) -> int:
@@ -50,9 +48,9 @@ def _scale(tensor: tf.Tensor, factor: float, divisor: int = 1) -> tf.Tensor:
     average divides (``x * 3 / 3`` is ``x`` again; ``x * 3 * (1/3)`` may not be)."""
     if factor == 1.0 and divisor == 1:
         return tensor
-    dtype = tensor.dtype
-    if dtype in _WIDENED:
-        return tf.cast(tf.cast(tensor, tf.float32) * factor / divisor, dtype)
+    dtype, wide = tensor.dtype, fusion.wire_dtype(tensor.dtype)
+    if wide != dtype:
+        return tf.cast(tf.cast(tensor, wide) * factor / divisor, dtype)
     if dtype.is_floating or dtype.is_complex:
         scaled = tensor * tf.constant(factor, dtype) if factor != 1.0 else tensor
         return scaled / tf.constant(divisor, dtype) if divisor != 1 else scaled
@@ -71,25 +69,14 @@ def _reduce_dense(
     postscale_factor: float,
     process_set: ProcessSet,
 ) -> list[tf.Tensor]:
-    """Reduces dense tensors; one MPI call per dtype (half precision in float32)."""
+    """Reduces dense tensors as the strategy does (``fusion.fused_allreduce``:
+    one MPI call per wire dtype), scaled before and after."""
     ordered = _set(process_set)
-    size = process_set.size()
     name = _OP_NAMES[Sum if op == Average else op]
     inputs = [_scale(tf.convert_to_tensor(t), prescale_factor) for t in tensors]
-    wide = [tf.cast(t, tf.float32) if t.dtype in _WIDENED else t for t in inputs]
-    outs: list[tf.Tensor | None] = [None] * len(wide)
-    by_dtype: dict[tf.DType, list[int]] = {}
-    for i, t in enumerate(wide):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    for indices in by_dtype.values():
-        reduced = ordered.allreduce_packed([wide[i] for i in indices], name)
-        for i, out in zip(indices, reduced):
-            outs[i] = out
-    divisor = size if op == Average else 1
-    return [
-        _scale(tf.cast(out, t.dtype) if t.dtype in _WIDENED else out, postscale_factor, divisor)
-        for out, t in zip(outs, inputs)
-    ]
+    reduced = fusion.fused_allreduce(inputs, lambda xs: ordered.allreduce_packed(xs, name))
+    divisor = process_set.size() if op == Average else 1
+    return [_scale(out, postscale_factor, divisor) for out in reduced]
 
 
 def _allreduce(
@@ -345,8 +332,7 @@ def _grouped_reducescatter(
         outs = []
         for x in xs:
             y = _scale(x, prescale_factor)
-            wide = tf.cast(y, tf.float32) if y.dtype in _WIDENED else y
-            out = ordered.reducescatter(wide, "sum")
+            out = ordered.reducescatter(tf.cast(y, fusion.wire_dtype(y.dtype)), "sum")
             outs.append(_scale(tf.cast(out, x.dtype), postscale_factor, divisor))
         return outs
 

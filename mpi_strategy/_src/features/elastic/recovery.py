@@ -1,11 +1,13 @@
 """Recovery from lost ranks: shrink to the survivors, agree on a commit,
-continue the strategy there, roll back."""
+continue the strategy there, roll back. ``shrink_and_continue`` is the part
+that both elastic faces share (``elastic.run`` and Horovod's ``hvd.elastic``)."""
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -20,6 +22,8 @@ from mpi_strategy._src.features.elastic.state import State
 # Every recovery of this process: when it noticed the failure (time.time())
 # and how long each part took; read by benchmarks and examples.
 recoveries: list[dict[str, Any]] = []
+
+Continued = TypeVar("Continued")
 
 
 def ranks_were_lost(strategy: MPIStrategy, error: BaseException) -> bool:
@@ -38,13 +42,16 @@ def recover(
     old = strategy.extended.ordered_comm.comm
     before = old.Get_size()
     started = time.monotonic()
-    survivors = ulfm.shrink(old)
+
+    def agree_and_continue(survivors: MPI.Intracomm) -> int:
+        number = np.array([state.commit_number], np.int64)
+        survivors.Allreduce(MPI.IN_PLACE, number, op=MPI.MIN)  # raw buffers: nothing unpickled
+        times["shrink_s"] = time.monotonic() - started
+        continue_on(strategy, state, survivors)
+        return int(number[0])
+
+    survivors, commit = shrink_and_continue(old, agree_and_continue)
     size = survivors.Get_size()
-    number = np.array([state.commit_number], np.int64)
-    survivors.Allreduce(MPI.IN_PLACE, number, op=MPI.MIN)  # raw buffers: nothing unpickled
-    commit = int(number[0])
-    times["shrink_s"] = time.monotonic() - started
-    continue_on(strategy, state, survivors)
     times["rebuild_s"] = time.monotonic() - started - times["shrink_s"]
     state.restore(commit)
     times["rollback_s"] = time.monotonic() - started - times["shrink_s"] - times["rebuild_s"]
@@ -68,6 +75,28 @@ def recover(
         times["rebuild_s"],
         times["rollback_s"],
     )
+
+
+def shrink_and_continue(
+    comm: MPI.Intracomm, continue_there: Callable[[MPI.Intracomm], Continued]
+) -> tuple[MPI.Intracomm, Continued]:
+    """The living ranks of ``comm`` and what ``continue_there`` returned on
+    them, on every survivor (collective over them). ``continue_there(survivors)``
+    rebuilds what spans them with its own collectives; when another rank dies
+    meanwhile, every survivor shrinks again and calls it again on fewer ranks
+    (an agreement tells them all whether it went through on every one)."""
+    while True:
+        survivors = ulfm.shrink(comm)
+        continued: list[Continued] = []
+        try:
+            continued.append(continue_there(survivors))
+        except Exception as error:
+            if not (ulfm.is_process_failure(error) or isinstance(error, RanksLostError)):
+                raise
+            ulfm.revoke(survivors)  # the survivors still in its collectives leave them
+        if ulfm.all_agree(survivors, bool(continued)):
+            return survivors, continued[0]
+        comm = survivors
 
 
 def continue_on(strategy: MPIStrategy, state: State, comm: MPI.Intracomm) -> None:
