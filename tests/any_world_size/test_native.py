@@ -127,9 +127,10 @@ def test_allgather_gives_the_same_bits_on_both_engines(engines, rows):
 
 @pytest.mark.parametrize("rows", [1, 700], ids=["small", "large"])
 @pytest.mark.parametrize("op", ["sum", "max"])
-def test_reducescatter_gives_the_same_bits_on_both_engines(engines, rows, op):
+@pytest.mark.parametrize("width", [3, 0])
+def test_reducescatter_gives_the_same_bits_on_both_engines(engines, rows, op, width):
     # Uneven shares when rows % SIZE != 0: the first ranks one row more.
-    x = _random([rows * SIZE + SIZE // 2, 3], tf.float32)
+    x = _random([rows * SIZE + SIZE // 2, width], tf.float32)
     native, python = _both(engines, lambda o: o.reducescatter(x, op), True)
     _assert_same_bits(native, python)
     assert native[0].shape[0] == rows + (1 if RANK < SIZE // 2 else 0)

@@ -26,67 +26,70 @@ void BarrierCompute(void* kernel, TF_OpKernelContext* ctx) {
   TF_DeleteStatus(status);
 }
 
-// Alltoall: inputs (token, x with one row per rank), outputs (token + 1, row
-// r from rank r), in one MPI_Alltoall of bytes.
-void AlltoallCompute(void* kernel, TF_OpKernelContext* ctx) {
+// Runs `body(site, input, status)` (true: done) between the agreement and
+// the token's step, for a kernel of inputs (token, x) whose data never rides
+// in the agreement.
+template <typename Body>
+void AfterAgreeing(void* kernel, TF_OpKernelContext* ctx, Body body) {
   Site& site = *static_cast<Site*>(kernel);
   TF_Status* status = TF_NewStatus();
   const int64_t token = ReadToken(ctx, status);
   std::vector<TF_Tensor*> inputs = Inputs(ctx, 1, status);
   bool carried = false;
-  if (TF_GetCode(status) == TF_OK && Agree(ctx, site, token, nullptr, 0, &carried)) {
-    std::vector<int64_t> dims = Dims(inputs[0]);
-    const int64_t nbytes = TF_TensorByteSize(inputs[0]);
-    TF_Tensor* out = TF_AllocateOutput(ctx, 1, TF_TensorType(inputs[0]), dims.data(),
-                                       static_cast<int>(dims.size()), nbytes, status);
-    const int piece = static_cast<int>(nbytes / site.state->size);
-    if (!Fail(ctx, status) &&
-        MpiOk(ctx, site,
-              mpi.Alltoall(TF_TensorData(inputs[0]), piece, mpi.byte, TF_TensorData(out), piece,
-                           mpi.byte, static_cast<Handle>(site.state->data_comm)))) {
-      SetToken(ctx, status);
-    }
-    if (out != nullptr) TF_DeleteTensor(out);
+  if (TF_GetCode(status) == TF_OK && Agree(ctx, site, token, nullptr, 0, &carried) &&
+      body(site, inputs[0], status)) {
+    SetToken(ctx, status);
   }
   for (TF_Tensor* input : inputs) TF_DeleteTensor(input);
   TF_DeleteStatus(status);
 }
 
+// Alltoall: inputs (token, x with one row per rank), outputs (token + 1, row
+// r from rank r), in one MPI_Alltoall of bytes.
+void AlltoallCompute(void* kernel, TF_OpKernelContext* ctx) {
+  AfterAgreeing(kernel, ctx, [ctx](Site& site, TF_Tensor* input, TF_Status* status) {
+    std::vector<int64_t> dims = Dims(input);
+    const int64_t nbytes = TF_TensorByteSize(input);
+    TF_Tensor* out = TF_AllocateOutput(ctx, 1, TF_TensorType(input), dims.data(),
+                                       static_cast<int>(dims.size()), nbytes, status);
+    const int piece = static_cast<int>(nbytes / site.state->size);
+    const bool done =
+        !Fail(ctx, status) &&
+        MpiOk(ctx, site,
+              mpi.Alltoall(TF_TensorData(input), piece, mpi.byte, TF_TensorData(out), piece,
+                           mpi.byte, static_cast<Handle>(site.state->data_comm)));
+    if (out != nullptr) TF_DeleteTensor(out);
+    return done;
+  });
+}
+
 // Reducescatter: inputs (token, x), outputs (token + 1, this rank's rows of
 // the reduction: the first rows % size ranks one row more than the others).
 void ReducescatterCompute(void* kernel, TF_OpKernelContext* ctx) {
-  Site& site = *static_cast<Site*>(kernel);
-  TF_Status* status = TF_NewStatus();
-  const int64_t token = ReadToken(ctx, status);
-  std::vector<TF_Tensor*> inputs = Inputs(ctx, 1, status);
-  bool carried = false;
-  if (TF_GetCode(status) == TF_OK && Agree(ctx, site, token, nullptr, 0, &carried)) {
+  AfterAgreeing(kernel, ctx, [ctx](Site& site, TF_Tensor* input, TF_Status* status) {
     const State& state = *site.state;
-    std::vector<int64_t> dims = Dims(inputs[0]);
+    std::vector<int64_t> dims = Dims(input);
     const int64_t rows = dims.empty() ? 1 : dims[0];
     int64_t row = 1;
     for (size_t d = 1; d < dims.size(); ++d) row *= dims[d];
+    auto share = [&](int64_t r) { return rows / state.size + (r < rows % state.size ? 1 : 0); };
     std::vector<int> counts(state.size);
-    for (int64_t r = 0; r < state.size; ++r) {
-      counts[r] = static_cast<int>((rows / state.size + (r < rows % state.size ? 1 : 0)) * row);
-    }
-    if (!dims.empty()) dims[0] = counts[state.rank] / (row ? row : 1);
-    const int64_t element = TF_DataTypeSize(TF_TensorType(inputs[0]));
-    TF_Tensor* out = TF_AllocateOutput(ctx, 1, TF_TensorType(inputs[0]), dims.data(),
+    for (int64_t r = 0; r < state.size; ++r) counts[r] = static_cast<int>(share(r) * row);
+    if (!dims.empty()) dims[0] = share(state.rank);
+    const int64_t element = TF_DataTypeSize(TF_TensorType(input));
+    TF_Tensor* out = TF_AllocateOutput(ctx, 1, TF_TensorType(input), dims.data(),
                                        static_cast<int>(dims.size()),
                                        counts[state.rank] * element, status);
-    if (!Fail(ctx, status) &&
-        (TF_TensorByteSize(inputs[0]) == 0 ||
+    const bool done =
+        !Fail(ctx, status) &&
+        (TF_TensorByteSize(input) == 0 ||
          MpiOk(ctx, site,
-               mpi.Reduce_scatter(TF_TensorData(inputs[0]), TF_TensorData(out), counts.data(),
+               mpi.Reduce_scatter(TF_TensorData(input), TF_TensorData(out), counts.data(),
                                   site.mpi_dtype, site.mpi_op,
-                                  static_cast<Handle>(state.data_comm))))) {
-      SetToken(ctx, status);
-    }
+                                  static_cast<Handle>(state.data_comm))));
     if (out != nullptr) TF_DeleteTensor(out);
-  }
-  for (TF_Tensor* input : inputs) TF_DeleteTensor(input);
-  TF_DeleteStatus(status);
+    return done;
+  });
 }
 
 struct Registration {
