@@ -222,7 +222,7 @@ def test_the_agreement_is_projected_hashed_above_1024_ranks():
     a, b = link["alpha"], link["beta"]
     assert cost_model.agreement_time(1024, a, b) == cost_model.allgather_time(128, 1024, a, b)
     hashed, gathered = (cost_model.agreement_time(4096, a, b, h) for h in (True, False))
-    assert cost_model.agreement_time(4096, a, b) == hashed == 12 * (a + 16 * b)
+    assert cost_model.agreement_time(4096, a, b) == hashed == 12 * (a + 24 * b)
     assert gathered == 12 * a + 4095 * 128 * b > hashed  # the O(ranks) bytes are gone
 
 
