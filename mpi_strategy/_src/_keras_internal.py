@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from mpi_strategy._src._tf_internal import Instead, WriteCall
+from mpi_strategy._src._tf_internal import WriteCall
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.logs import logger
 
@@ -50,22 +50,16 @@ SITES = {
         f"{_K3_CALLBACKS}.callback_list",
         "keras.callbacks",
         (
-            WriteCall(
-                "keras.src.saving.saving_lib", "save_model", "filepath", Instead.MEMORY, "model"
-            ),
+            WriteCall("keras.src.saving.saving_lib", "save_model", "filepath", "memory", "model"),
             # (remote paths go through a local temporary file)
             WriteCall(
-                "keras.src.saving.saving_lib",
-                "save_weights_only",
-                "filepath",
-                Instead.SCRATCH,
-                "model",
+                "keras.src.saving.saving_lib", "save_weights_only", "filepath", "scratch", "model"
             ),
             WriteCall(
                 "keras.src.legacy.saving.legacy_h5_format",
                 "save_model_to_hdf5",
                 "filepath",
-                Instead.H5_MEMORY,
+                "h5_memory",
                 "model",
             ),
             # (its variables are tracked by the private _tf_trackable)
@@ -73,14 +67,14 @@ SITES = {
                 "keras.src.export.saved_model:ExportArchive",
                 "write_out",
                 "filepath",
-                Instead.MEMORY,
+                "memory",
                 "self._tf_trackable",
             ),
             WriteCall(
                 f"{_K3_CALLBACKS}.model_checkpoint:ModelCheckpoint",
                 "_save_model",
                 "self.filepath",
-                Instead.MEMORY,
+                "memory",
                 "self.model",
                 ("filepath",),
             ),
@@ -88,7 +82,7 @@ SITES = {
                 f"{_K3_CALLBACKS}.backup_and_restore:BackupAndRestore",
                 "_save_model",
                 "self.backup_dir",
-                Instead.MEMORY,
+                "memory",
                 "self.model",
                 _KERAS3_BACKUP,
             ),
@@ -96,7 +90,7 @@ SITES = {
                 f"{_K3_CALLBACKS}.backup_and_restore:BackupAndRestore",
                 "on_train_end",
                 "self.backup_dir",
-                Instead.MEMORY,
+                "memory",
                 "self.model",
                 _KERAS3_BACKUP,
             ),
@@ -104,7 +98,7 @@ SITES = {
                 f"{_K3_CALLBACKS}.csv_logger:CSVLogger",
                 "on_train_begin",
                 "self.filename",
-                Instead.DEVNULL,
+                "devnull",
                 "self.model",
                 ("filename",),
             ),
@@ -112,14 +106,14 @@ SITES = {
                 f"{_K3_CALLBACKS}.csv_logger:CSVLogger",
                 "on_train_end",
                 "self.filename",
-                Instead.SAME,
+                "same",
                 "self.model",
             ),
             WriteCall(
                 f"{_K3_CALLBACKS}.tensorboard:TensorBoard",
                 "on_train_end",
                 "self.log_dir",
-                Instead.SAME,
+                "same",
                 "self.model",
             ),
         ),
@@ -131,30 +125,30 @@ SITES = {
         (
             # (its .keras and .weights.h5 writers open local files only)
             WriteCall(
-                "tf_keras.src.saving.saving_lib", "save_model", "filepath", Instead.SCRATCH, "model"
+                "tf_keras.src.saving.saving_lib", "save_model", "filepath", "scratch", "model"
             ),
             WriteCall(
                 "tf_keras.src.saving.saving_lib",
                 "save_weights_only",
                 "filepath",
-                Instead.SCRATCH,
+                "scratch",
                 "model",
             ),
             WriteCall(
-                "tf_keras.src.saving.legacy.save", "save_model", "filepath", Instead.MEMORY, "model"
+                "tf_keras.src.saving.legacy.save", "save_model", "filepath", "memory", "model"
             ),
             WriteCall(
                 "tf_keras.src.saving.legacy.save",
                 "save_weights",
                 "filepath",
-                Instead.SCRATCH_IF_H5,
+                "scratch_if_h5",
                 "model",
             ),
             WriteCall(
                 "tf_keras.src.saving.legacy.hdf5_format",
                 "save_model_to_hdf5",
                 "filepath",
-                Instead.H5_MEMORY,
+                "h5_memory",
                 "model",
             ),
             # (the model it backs up is the private _model)
@@ -162,14 +156,14 @@ SITES = {
                 "tf_keras.src.distribute.worker_training_state:WorkerTrainingState",
                 "delete_backup",
                 "self.write_checkpoint_manager.directory",
-                Instead.SKIP,
+                "skip",
                 "self._model",
             ),
             WriteCall(
                 "tf_keras.src.callbacks:CSVLogger",
                 "on_train_begin",
                 "self.filename",
-                Instead.DEVNULL,
+                "devnull",
                 "self.model",
                 ("filename",),
             ),
@@ -177,14 +171,14 @@ SITES = {
                 "tf_keras.src.callbacks:CSVLogger",
                 "on_train_end",
                 "self.filename",
-                Instead.SAME,
+                "same",
                 "self.model",
             ),
             WriteCall(
                 "tf_keras.src.callbacks:TensorBoard",
                 "on_train_end",
                 "self.log_dir",
-                Instead.SAME,
+                "same",
                 "self.model",
             ),
         ),

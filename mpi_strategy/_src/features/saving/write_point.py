@@ -4,10 +4,9 @@ A one-process program saves with, e.g., ``checkpoint.save(prefix)``; run
 unchanged on N ranks, every rank makes that call. Each call of a TensorFlow or
 Keras function that writes files (listed in ``_tf_internal.WRITE_CALLS`` and
 ``_keras_internal.SITES``; wrapped by ``calls.py``) is a *write point* when it
-is this library's work (``point_for``). Two kinds:
-
-A save that belongs to a multi-rank MPIStrategy (``owner_of``: made in its
-scope, or of an object whose variables it built) meets the other ranks:
+belongs to a multi-rank MPIStrategy (``strategy_for``): it runs in its scope,
+or writes an object (a model, a checkpoint, a module) whose variables it
+built, or, outside any scope, an object that no strategy built. Then:
 
 1. The ranks meet (``WRITE``, tagged with the function and path).
    If only some ranks made the call (``if rank == 0: model.save(...)``), they
@@ -23,17 +22,6 @@ scope, or of an object whose variables it built) meets the other ranks:
    returns on every rank once every copy is complete, and if any rank failed,
    every rank raises.
 
-A save that no strategy owns (outside any scope, of an object that no
-strategy built, or naming no object, as a summary writer), in a job with a
-multi-rank MPIStrategy over the world, makes no MPI call
-(``locked_write_point``): it needs no other rank, so a rank may make it alone
-while the others wait in MPI calls of the program's own. The ranks that make
-it take turns under a file lock in the destination's directory; the first of
-a filesystem writes the real path, in place, as one process does, and records
-that this job's n-th save of that path is written; the others then find it
-recorded and make the call against an in-memory path, as in 3. Every rank
-returns once that copy is complete.
-
 A save that belongs to another strategy (made in its scope, or of objects it
 built) runs as it would without mpi_strategy, with no MPI call.
 """
@@ -41,16 +29,13 @@ built) runs as it would without mpi_strategy, with no MPI call.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import itertools
-import json
 import os
-import re
 import threading
 import weakref
 import zlib
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -60,7 +45,7 @@ from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.protocol import Field
 from mpi_strategy._src.core.rendezvous import Kind, Rendezvous
 from mpi_strategy._src.distribute.ops import OrderedComm
-from mpi_strategy._src.distribute.strategy import MPIStrategy, job_id, newest_over_the_world
+from mpi_strategy._src.distribute.strategy import MPIStrategy, newest_over_the_world
 
 WRITE = rendezvous_lib.register_kind(
     Kind(
@@ -129,22 +114,19 @@ def alone() -> bool:
 
 
 def strategy_for(written: Any = NO_OBJECT) -> tf.distribute.Strategy | None:
-    """The strategy a write is this library's work for: its owner
-    (``owner_of``), else (an object that no strategy built, or a call that
-    names no object, such as a summary writer) the newest MPIStrategy over all
-    of ``COMM_WORLD``, as the one-process program expects (TensorFlow's own
-    tutorials save such objects from every rank to one path); None if none."""
-    return owner_of(written) or newest_over_the_world()
-
-
-def owner_of(written: Any = NO_OBJECT) -> tf.distribute.Strategy | None:
     """The strategy a write belongs to: the one in scope; else the strategy
-    that built the variables ``written`` holds; None if neither."""
+    that built the variables ``written`` holds; else (an object that no
+    strategy built, or a call that names no object, such as a summary writer)
+    the newest MPIStrategy over all of ``COMM_WORLD``, as the one-process
+    program expects (TensorFlow's own tutorials save such objects from every
+    rank to one path); None if none."""
     if tf.distribute.has_strategy():
         return tf.distribute.get_strategy()
-    if written is NO_OBJECT:
-        return None
-    return strategy_of(written, default=tf.distribute.get_strategy())
+    if written is not NO_OBJECT:
+        built_by = strategy_of(written, default=tf.distribute.get_strategy())
+        if built_by is not None:
+            return built_by
+    return newest_over_the_world()
 
 
 def strategy_of(obj: Any, default: tf.distribute.Strategy) -> tf.distribute.Strategy | None:
@@ -172,9 +154,9 @@ def _named_strategy(obj: Any, default: tf.distribute.Strategy) -> tf.distribute.
 
 
 def ordered_comm_for(written: Any = NO_OBJECT) -> OrderedComm | None:
-    """The ordered communicator of the multi-rank MPIStrategy a write of
-    ``written`` is this library's work for (``strategy_for``), or None when it
-    is not (it then runs unchanged)."""
+    """Where the ranks meet for a write of ``written``: the ordered
+    communicator of its multi-rank MPIStrategy (``strategy_for``), or None
+    when the write is not this library's work (it then runs unchanged)."""
     return ordered_comm_of(strategy_for(written))
 
 
@@ -189,12 +171,9 @@ def ordered_comm_of(strategy: tf.distribute.Strategy | None) -> OrderedComm | No
     return ordered
 
 
-def point_for(path: Any, written: Any, what: str) -> contextlib.AbstractContextManager[None] | None:
-    """The write point a call ``what`` writing ``path`` (holding ``written``)
-    is, or None if it runs unchanged: its owner's meeting (``write_point``);
-    for a local path that no strategy owns, the file lock
-    (``locked_write_point``); for a remote one, the world's meeting (no lock
-    spans an object store)."""
+def applies(path: Any, written: Any = NO_OBJECT) -> OrderedComm | None:
+    """The ordered communicator on which a call writing ``path`` (holding
+    ``written``) is a write point, or None if it runs unchanged."""
     if (
         role() is not None
         or not isinstance(path, (str, os.PathLike))
@@ -202,17 +181,7 @@ def point_for(path: Any, written: Any, what: str) -> contextlib.AbstractContextM
         or not tf.executing_eagerly()
     ):
         return None
-    owner = owner_of(written)
-    ordered = ordered_comm_of(owner or newest_over_the_world())
-    job = job_id()
-    if ordered is None:
-        return None
-    if owner is not None or _REMOTE.match(os.fspath(path)) or job is None:
-        return write_point(ordered, path, what)
-    return locked_write_point(path, job)
-
-
-_REMOTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+    return ordered_comm_for(written)
 
 
 @contextlib.contextmanager
@@ -261,84 +230,14 @@ def _topology(ordered: OrderedComm) -> filesystems.Topology:
 
 
 @contextlib.contextmanager
-def _in_role(
-    current: str, rendezvous: Rendezvous | None = None, alone: bool = False
-) -> Iterator[None]:
+def _in_role(current: str, rendezvous: Rendezvous, alone: bool = False) -> Iterator[None]:
     _local.role, _local.alone = current, alone
-    if rendezvous is not None:
-        rendezvous.solo = WRITE if alone else None
+    rendezvous.solo = WRITE if alone else None
     try:
         yield
     finally:
         _local.role, _local.alone = None, False
-        if rendezvous is not None:
-            rendezvous.solo = None
-
-
-@contextlib.contextmanager
-def locked_write_point(path: str | os.PathLike[str], job: str) -> Iterator[None]:
-    """The block writes ``path`` if ``role()`` is WRITES inside it; no MPI call.
-
-    This rank's n-th such save of ``path`` takes the lock of its directory
-    (``_SAVES``, a file there) and writes unless this job's n-th save of it is
-    recorded there, then records it. A rank that finds it recorded (another
-    rank wrote it, on this filesystem) gets role IN_MEMORY, after the writer
-    let go of the lock: the copy is complete when the block starts. A failed
-    write records nothing: the next rank to come writes.
-    """
-    path = os.path.abspath(os.fspath(path))
-    directory, name = os.path.split(path)
-    with _process_lock:  # (fcntl locks do not exclude this process's threads)
-        saves = _saves_made[path] = _saves_made.get(path, 0) + 1
-        with _directory_lock(directory) as lock_file:
-            saved = _recorded(lock_file, job)
-            if saved.get(name, 0) < saves:
-                with _in_role(WRITES):
-                    yield
-                _record(lock_file, job, dict(saved, **{name: saves}))
-                return
-    with _in_role(IN_MEMORY):
-        yield
-
-
-# (one file per directory: a file per checkpoint would outlive its checkpoint)
-_SAVES = ".mpi_strategy-saves"
-_process_lock = threading.Lock()
-_saves_made: dict[str, int] = {}  # path: this process's locked saves of it
-
-
-@contextlib.contextmanager
-def _directory_lock(directory: str) -> Iterator[IO[str]]:
-    """Holds the lock of ``directory`` (created if missing, as the save would)."""
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, _SAVES), "a+") as lock_file:
-        try:
-            fcntl.lockf(lock_file, fcntl.LOCK_EX)
-        except OSError as exc:
-            raise MPIStrategyError(
-                f"mpi_strategy: cannot lock {lock_file.name} ({exc}), which orders the "
-                "ranks' saves of objects that no strategy built. Save on a filesystem "
-                "with POSIX locks, or inside the MPIStrategy's scope (the ranks then "
-                "meet in the save)."
-            ) from exc
-        yield lock_file  # (closing it lets go of the lock)
-
-
-def _recorded(lock_file: IO[str], job: str) -> dict[str, int]:
-    """{name: how many of its saves are written} in this job, as recorded."""
-    lock_file.seek(0)
-    try:
-        record = json.loads(lock_file.read())
-        return dict(record["saved"]) if record["job"] == job else {}
-    except (ValueError, KeyError, TypeError):
-        return {}  # empty (new), or not ours: nothing recorded
-
-
-def _record(lock_file: IO[str], job: str, saved: dict[str, int]) -> None:
-    lock_file.seek(0)
-    lock_file.truncate()
-    json.dump({"job": job, "saved": saved}, lock_file)
-    lock_file.flush()
+        rendezvous.solo = None
 
 
 def memory_path(path: str | os.PathLike[str]) -> str:
