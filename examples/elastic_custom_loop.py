@@ -5,7 +5,8 @@
 (Open MPI 5 with User-Level Failure Mitigation; kill any rank with SIGKILL
 while it trains.) The survivors continue from the last in-memory commit with
 the same global batch per step; rank 0 of the survivors prints, as its last
-line, one JSON object: ranks at start and at end, steps done, final loss.
+line, one JSON object: ranks at start and at end, steps done, final loss,
+the sum of the weights on every rank.
 By default every step takes the next ``--global-batch`` examples, whatever the
 number of ranks; with ``--per-replica-batch N`` it takes N per replica (fewer
 examples per step once ranks are lost). ``--kill R@K`` (repeatable) makes rank
@@ -153,6 +154,9 @@ def main():
 
     recoveries = mpi_strategy.elastic.recoveries
     train()
+    # Every replica holds the same weights, whichever ranks joined or were lost.
+    weights_sum = float(sum(np.sum(w) for w in model.get_weights()))
+    weights_sums = strategy.extended.comm.allgather(weights_sum)
     if strategy.extended.rank == 0:
         print(
             json.dumps(
@@ -162,7 +166,8 @@ def main():
                     "steps": state.step,
                     "examples": state.examples,
                     "final_loss": state.loss,
-                    "weights_sum": float(sum(np.sum(w) for w in model.get_weights())),
+                    "weights_sum": weights_sum,
+                    "weights_sum_per_rank": weights_sums,
                     "recoveries": recoveries,
                     "replacements": mpi_strategy.elastic.replacements,
                 }
