@@ -367,3 +367,12 @@ def test_only_chief_writes_is_deprecated_and_yields_the_path(shared_dir):
     target = os.path.join(shared_dir, "file.txt")
     with pytest.warns(DeprecationWarning), mpi_strategy.only_chief_writes(target) as where:
         assert where == target
+
+
+def test_an_unknown_save_mode_raises():
+    from mpi_strategy._src._tf_internal import Instead, WriteCall
+    from mpi_strategy._src.features.saving import calls
+
+    assert all(calls.handler_for(WriteCall("m", "f", "path", mode, None)) for mode in Instead)
+    with pytest.raises(mpi_strategy.MPIStrategyError, match="unknown save mode 'memroy'"):
+        calls.handler_for(WriteCall("m", "f", "path", "memroy", None))
