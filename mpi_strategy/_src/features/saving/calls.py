@@ -3,7 +3,7 @@
 ``write_point_wrapper`` makes each function or method listed in
 ``_tf_internal.WRITE_CALLS`` and in the ``write_calls`` of
 ``_keras_internal.SITES`` (``effects.py`` installs the wrappers) a write point
-when it is this library's work (``write_point.applies``): a call made on
+when it is this library's work (``write_point.point_for``): a call made on
 every rank writes once per filesystem and returns on every rank once the files
 are complete. A call made on some ranks only writes there, as before; any other
 call runs unchanged.
@@ -55,7 +55,8 @@ from mpi_strategy._src.features.saving import write_point
 def synchronous_checkpoint_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """A Checkpoint method (``_tf_internal.ASYNC_CHECKPOINT_CALLS``) that ignores
     the asynchronous-checkpoint option for this library's checkpoints: a write
-    point must run in the calling thread, where the ranks meet."""
+    point must run in the calling thread, where the ranks meet (or it holds
+    the directory's lock)."""
 
     @functools.wraps(original)
     def synchronous(self: Any, file_prefix: Any, options: Any = None) -> Any:
@@ -92,11 +93,11 @@ def write_point_wrapper(function: Callable[..., Any], listed: WriteCall) -> Call
         if write_point.role() is not None:  # inside an outer listed call: it decided
             return function(*args, **kwargs)
         written = write_point.NO_OBJECT if listed.of is None else _attribute(bound, listed.of)
-        ordered = write_point.applies(path, written)
-        if ordered is None:
+        point = write_point.point_for(path, written, what)
+        if point is None:
             with write_point.not_ours():
                 return function(*args, **kwargs)
-        with write_point.write_point(ordered, path, what), _scope_of_model(bound):
+        with point, _scope_of_model(bound):
             if write_point.role() == write_point.IN_MEMORY:
                 return handler.instead(function, bound, listed, path)
             return function(*args, **kwargs)
