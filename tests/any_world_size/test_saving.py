@@ -427,12 +427,16 @@ def test_a_save_no_strategy_owns_makes_no_mpi_call(strategy, shared_dir):
     (a launch that hangs: tests/launchers/test_under_mpiexec.py ends it)."""
     del strategy  # (the world's MPIStrategy exists: these saves are this library's work)
     directory = os.path.join(shared_dir, "unscoped-alone")
+    logdir = os.path.join(shared_dir, "logs-alone")
     if RANK == 0:
         model = _unscoped_model()
         for save in UNSCOPED_SAVES.values():
             save(model, directory)
+        with tf.summary.create_file_writer(logdir).as_default():  # (names no object)
+            tf.summary.scalar("loss", 1.0, step=0)
     WORLD.Barrier()
     _loads_unscoped(directory)
+    assert len(os.listdir(logdir)) == 1
 
 
 def test_saves_no_strategy_owns_are_written_once_per_path_and_complete_on_return(

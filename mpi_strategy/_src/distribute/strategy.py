@@ -70,7 +70,10 @@ def job_id() -> str | None:
 
 
 def _draw_job_id(comm: MPI.Intracomm) -> str:
-    drawn = np.frombuffer(os.urandom(16), np.uint8).copy()
+    """Rank 0's job id (drawn at random if it has none) on every rank of
+    ``comm``: a replacement of a lost rank takes the survivors'."""
+    job = _state["job"]
+    drawn = np.frombuffer(bytes.fromhex(job) if job else os.urandom(16), np.uint8).copy()
     comm.Bcast(drawn, root=0)
     return drawn.tobytes().hex()
 
@@ -217,7 +220,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         failure.arm(self._comm)
         if self._num_ranks > 1 and spans_the_world(self._comm):
             _state["world"] = self._container_strategy()
-            if _state["job"] is None:
+            if _state["job"] is None:  # (the same on every rank of the world)
                 _state["job"] = _draw_job_id(self._comm)
         _notify_scope_listeners()
 
@@ -241,6 +244,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
             comm, self._communication_options, self._cross_device_ops.policy
         )
         _state["world"] = self._container_strategy()  # all the living ranks
+        _state["job"] = _draw_job_id(comm)
         self._cluster_resolver = MPIClusterResolver(
             comm,
             {_device_type(self._devices[0]): len(self._devices)},

@@ -327,6 +327,7 @@ _RECORD = "user.mpi_strategy.saves"
 _KEPT = 64
 _process_lock = threading.Lock()
 _saves_made: dict[str, int] = {}  # path: this process's locked saves of it
+_refused: set[str] = set()  # directories without the lock or the record
 
 
 @contextlib.contextmanager
@@ -343,7 +344,15 @@ def _locked(directory: str) -> Iterator[int | None]:
             fcntl.flock(fd, fcntl.LOCK_EX)
             os.setxattr(fd, _RECORD, _read(fd) or b"{}")  # (can it be written here?)
         except OSError as exc:
-            logger.debug("mpi_strategy: no file lock in %s (%s): the ranks meet", directory, exc)
+            if directory not in _refused:  # (once per directory)
+                _refused.add(directory)
+                logger.warning(
+                    "mpi_strategy: %s refuses a lock or an extended attribute (%s): saves "
+                    "there of objects that no strategy built meet the other ranks "
+                    "(docs/checkpointing.md, Limits)",
+                    directory,
+                    exc,
+                )
             yield None
             return
         yield fd
