@@ -483,7 +483,7 @@ def test_checkpoints_no_strategy_owns_never_race(strategy, shared_dir):
     variable = tf.Variable(tf.zeros([200_000]))
     checkpoint = tf.train.Checkpoint(v=variable)
     prefix = os.path.join(shared_dir, "unscoped-race", "ckpt")
-    for step in range(20):  # (without the lock, the first or sixth save failed)
+    for step in range(10):  # (without the lock, the first or sixth save failed)
         variable.assign(tf.fill([200_000], float(step)))
         WORLD.Barrier()  # (the ranks start each save together, as in a training loop)
         path = checkpoint.save(prefix)
