@@ -5,7 +5,10 @@ path, leaves one complete copy (written by rank 0; the other ranks write
 nothing to disk), returns on every rank only once that copy is complete (a
 load right after succeeds everywhere), and holds what the model holds. A save
 made on rank 0 alone still works, and one that cannot (it reads a metric, a
-collective) fails with the cause on every rank instead of hanging.
+collective) fails with the cause on every rank instead of hanging. A save of
+an object that no strategy built makes no MPI call (rank 0 may make it while
+the others wait in a barrier), is written once, and leaves in the directory
+only what one process writes.
 
 Saving at the end of a program and a kill during a write:
 tests/launchers/test_saving_launched.py.
