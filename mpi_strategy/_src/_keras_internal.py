@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from mpi_strategy._src._tf_internal import WriteCall
+from mpi_strategy._src._tf_internal import Instead, WriteCall
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.logs import logger
 
@@ -50,16 +50,22 @@ SITES = {
         f"{_K3_CALLBACKS}.callback_list",
         "keras.callbacks",
         (
-            WriteCall("keras.src.saving.saving_lib", "save_model", "filepath", "memory", "model"),
+            WriteCall(
+                "keras.src.saving.saving_lib", "save_model", "filepath", Instead.MEMORY, "model"
+            ),
             # (remote paths go through a local temporary file)
             WriteCall(
-                "keras.src.saving.saving_lib", "save_weights_only", "filepath", "scratch", "model"
+                "keras.src.saving.saving_lib",
+                "save_weights_only",
+                "filepath",
+                Instead.SCRATCH,
+                "model",
             ),
             WriteCall(
                 "keras.src.legacy.saving.legacy_h5_format",
                 "save_model_to_hdf5",
                 "filepath",
-                "h5_memory",
+                Instead.H5_MEMORY,
                 "model",
             ),
             # (its variables are tracked by the private _tf_trackable)
@@ -67,14 +73,14 @@ SITES = {
                 "keras.src.export.saved_model:ExportArchive",
                 "write_out",
                 "filepath",
-                "memory",
+                Instead.MEMORY,
                 "self._tf_trackable",
             ),
             WriteCall(
                 f"{_K3_CALLBACKS}.model_checkpoint:ModelCheckpoint",
                 "_save_model",
                 "self.filepath",
-                "memory",
+                Instead.MEMORY,
                 "self.model",
                 ("filepath",),
             ),
@@ -82,7 +88,7 @@ SITES = {
                 f"{_K3_CALLBACKS}.backup_and_restore:BackupAndRestore",
                 "_save_model",
                 "self.backup_dir",
-                "memory",
+                Instead.MEMORY,
                 "self.model",
                 _KERAS3_BACKUP,
             ),
@@ -90,7 +96,7 @@ SITES = {
                 f"{_K3_CALLBACKS}.backup_and_restore:BackupAndRestore",
                 "on_train_end",
                 "self.backup_dir",
-                "memory",
+                Instead.MEMORY,
                 "self.model",
                 _KERAS3_BACKUP,
             ),
@@ -98,7 +104,7 @@ SITES = {
                 f"{_K3_CALLBACKS}.csv_logger:CSVLogger",
                 "on_train_begin",
                 "self.filename",
-                "devnull",
+                Instead.DEVNULL,
                 "self.model",
                 ("filename",),
             ),
@@ -106,14 +112,14 @@ SITES = {
                 f"{_K3_CALLBACKS}.csv_logger:CSVLogger",
                 "on_train_end",
                 "self.filename",
-                "same",
+                Instead.SAME,
                 "self.model",
             ),
             WriteCall(
                 f"{_K3_CALLBACKS}.tensorboard:TensorBoard",
                 "on_train_end",
                 "self.log_dir",
-                "same",
+                Instead.SAME,
                 "self.model",
             ),
         ),
@@ -125,30 +131,30 @@ SITES = {
         (
             # (its .keras and .weights.h5 writers open local files only)
             WriteCall(
-                "tf_keras.src.saving.saving_lib", "save_model", "filepath", "scratch", "model"
+                "tf_keras.src.saving.saving_lib", "save_model", "filepath", Instead.SCRATCH, "model"
             ),
             WriteCall(
                 "tf_keras.src.saving.saving_lib",
                 "save_weights_only",
                 "filepath",
-                "scratch",
+                Instead.SCRATCH,
                 "model",
             ),
             WriteCall(
-                "tf_keras.src.saving.legacy.save", "save_model", "filepath", "memory", "model"
+                "tf_keras.src.saving.legacy.save", "save_model", "filepath", Instead.MEMORY, "model"
             ),
             WriteCall(
                 "tf_keras.src.saving.legacy.save",
                 "save_weights",
                 "filepath",
-                "scratch_if_h5",
+                Instead.SCRATCH_IF_H5,
                 "model",
             ),
             WriteCall(
                 "tf_keras.src.saving.legacy.hdf5_format",
                 "save_model_to_hdf5",
                 "filepath",
-                "h5_memory",
+                Instead.H5_MEMORY,
                 "model",
             ),
             # (the model it backs up is the private _model)
@@ -156,14 +162,14 @@ SITES = {
                 "tf_keras.src.distribute.worker_training_state:WorkerTrainingState",
                 "delete_backup",
                 "self.write_checkpoint_manager.directory",
-                "skip",
+                Instead.SKIP,
                 "self._model",
             ),
             WriteCall(
                 "tf_keras.src.callbacks:CSVLogger",
                 "on_train_begin",
                 "self.filename",
-                "devnull",
+                Instead.DEVNULL,
                 "self.model",
                 ("filename",),
             ),
@@ -171,14 +177,14 @@ SITES = {
                 "tf_keras.src.callbacks:CSVLogger",
                 "on_train_end",
                 "self.filename",
-                "same",
+                Instead.SAME,
                 "self.model",
             ),
             WriteCall(
                 "tf_keras.src.callbacks:TensorBoard",
                 "on_train_end",
                 "self.log_dir",
-                "same",
+                Instead.SAME,
                 "self.model",
             ),
         ),

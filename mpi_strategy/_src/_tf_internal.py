@@ -11,6 +11,7 @@ Checked on TensorFlow 2.16.2 (with Keras 3.15) and 2.21.0 (CI runs both).
 
 from __future__ import annotations
 
+import enum
 import threading
 from typing import Any, NamedTuple
 
@@ -148,6 +149,20 @@ def merge_call_would_fail() -> bool:
     return isinstance(thread, replica_thread_class) and _ops.get_default_graph() is not thread.graph
 
 
+class Instead(enum.Enum):
+    """What a rank that does not write does instead of a listed call
+    (``features/saving/calls.py`` holds one handler for each)."""
+
+    MEMORY = "memory"  # the call against an in-memory path (ram://)
+    H5_MEMORY = "h5_memory"  # the call against an in-memory HDF5 file
+    SKIP = "skip"  # nothing
+    SCRATCH_IF_H5 = "scratch_if_h5"  # SCRATCH for an HDF5 file, else MEMORY
+    NOOP_WRITER = "noop_writer"  # returns tf.summary.create_noop_writer()
+    DEVNULL = "devnull"  # the call writing to os.devnull
+    SCRATCH = "scratch"  # the call against a fresh local directory, deleted after
+    SAME = "same"  # the call unchanged (its own writes are write points)
+
+
 class WriteCall(NamedTuple):
     """A TensorFlow or Keras function or method that writes files, and how
     ``features/saving`` makes it a write point (see ``features/saving/calls.py``)."""
@@ -155,7 +170,7 @@ class WriteCall(NamedTuple):
     owner: str  # "package.module" or "package.module:Class"
     name: str  # function or method name
     path: str  # argument name, or "self.<attribute>"
-    instead: str  # what a rank that does not write does
+    instead: Instead  # what a rank that does not write does
     of: str | None  # the argument (or "self.<attribute>") holding the object
     # written, whose strategy decides; None: names no object
     attrs: tuple[str, ...] = ()  # (methods) attributes holding paths under ``path``
@@ -171,14 +186,14 @@ WRITE_CALLS = (
         "tensorflow.python.checkpoint.checkpoint:Checkpoint",
         "_write",
         "file_prefix",
-        "same",
+        Instead.SAME,
         "self",
     ),
     WriteCall(
         "tensorflow.python.checkpoint.checkpoint:TrackableSaver",
         "save",
         "file_prefix",
-        "memory",
+        Instead.MEMORY,
         None,
     ),
     # (so that its index and sweep below are inside the write point of its checkpoint)
@@ -186,36 +201,46 @@ WRITE_CALLS = (
         "tensorflow.python.checkpoint.checkpoint_management:CheckpointManager",
         "save",
         "self.directory",
-        "same",
+        Instead.SAME,
         "self.checkpoint",
     ),
     WriteCall(
         "tensorflow.python.checkpoint.checkpoint_management",
         "update_checkpoint_state_internal",
         "save_dir",
-        "skip",
+        Instead.SKIP,
         None,
     ),
     WriteCall(
         "tensorflow.python.checkpoint.checkpoint_management",
         "_delete_file_if_exists",
         "filespec",
-        "skip",
+        Instead.SKIP,
         None,
     ),
     WriteCall(
-        "tensorflow.python.saved_model.save", "save_and_return_nodes", "export_dir", "memory", "obj"
+        "tensorflow.python.saved_model.save",
+        "save_and_return_nodes",
+        "export_dir",
+        Instead.MEMORY,
+        "obj",
     ),
     WriteCall(
         "tensorflow.python.ops.summary_ops_v2",
         "create_file_writer_v2",
         "logdir",
-        "noop_writer",
+        Instead.NOOP_WRITER,
         None,
     ),
-    WriteCall("tensorflow._api.v2.summary", "create_file_writer", "logdir", "noop_writer", None),
     WriteCall(
-        "tensorflow._api.v2.compat.v2.summary", "create_file_writer", "logdir", "noop_writer", None
+        "tensorflow._api.v2.summary", "create_file_writer", "logdir", Instead.NOOP_WRITER, None
+    ),
+    WriteCall(
+        "tensorflow._api.v2.compat.v2.summary",
+        "create_file_writer",
+        "logdir",
+        Instead.NOOP_WRITER,
+        None,
     ),
 )
 # Checkpoint methods that hand the write to a background thread when

@@ -5,12 +5,16 @@ path, leaves one complete copy (written by rank 0; the other ranks write
 nothing to disk), returns on every rank only once that copy is complete (a
 load right after succeeds everywhere), and holds what the model holds. A save
 made on rank 0 alone still works, and one that cannot (it reads a metric, a
-collective) fails with the cause on every rank instead of hanging.
+collective) fails with the cause on every rank instead of hanging. A save of
+an object that no strategy built makes no MPI call (rank 0 may make it while
+the others wait in a barrier), is written once, and leaves in the directory
+only what one process writes.
 
 Saving at the end of a program and a kill during a write:
 tests/launchers/test_saving_launched.py.
 """
 
+import errno
 import os
 
 import keras
@@ -247,6 +251,7 @@ def test_summary_writers_write_one_event_file(strategy, shared_dir):
     writer.close()
     events = os.listdir(logdir)
     assert len(events) == 1, events
+    assert os.listdir(shared_dir) == ["logs"]  # (no record or lock file beside it)
     assert_same_on_all_ranks(np.array(len(events)), "event files seen")
 
 
@@ -367,3 +372,153 @@ def test_only_chief_writes_is_deprecated_and_yields_the_path(shared_dir):
     target = os.path.join(shared_dir, "file.txt")
     with pytest.warns(DeprecationWarning), mpi_strategy.only_chief_writes(target) as where:
         assert where == target
+
+
+def _unscoped_model():
+    """A Keras model that no strategy built (outside any scope)."""
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(UNITS)])
+    model.set_weights([np.full(w.shape, 0.5, w.dtype) for w in model.get_weights()])
+    return model
+
+
+# name: save(object, directory) -> what load(directory) must give back
+UNSCOPED_SAVES = {
+    "Checkpoint.save": lambda m, d: tf.train.Checkpoint(model=m).save(os.path.join(d, "ckpt")),
+    "CheckpointManager.save": lambda m, d: tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=m), os.path.join(d, "manager"), 1
+    ).save(),
+    "tf.saved_model.save": lambda m, d: tf.saved_model.save(m, os.path.join(d, "sm")),
+    "keras.Model.save": lambda m, d: m.save(os.path.join(d, "m.keras")),
+    "keras.Model.save_weights": lambda m, d: m.save_weights(os.path.join(d, "w.weights.h5")),
+}
+# What one process leaves after UNSCOPED_SAVES (TensorFlow's own staging is gone).
+UNSCOPED_FILES = [
+    "checkpoint",
+    "ckpt-1.data-00000-of-00001",
+    "ckpt-1.index",
+    "m.keras",
+    "manager/checkpoint",
+    "manager/ckpt-1.data-00000-of-00001",
+    "manager/ckpt-1.index",
+    "sm/fingerprint.pb",
+    "sm/saved_model.pb",
+    "sm/variables/variables.data-00000-of-00001",
+    "sm/variables/variables.index",
+    "w.weights.h5",
+]
+
+
+def _loads_unscoped(directory):
+    """Loads what UNSCOPED_SAVES wrote under ``directory``: every copy complete,
+    and nothing else there (a listing shows no file of this library's)."""
+    assert _files_under(directory) == UNSCOPED_FILES
+    model = keras.models.load_model(os.path.join(directory, "m.keras"))
+    model.load_weights(os.path.join(directory, "w.weights.h5"))
+    for prefix in (
+        os.path.join(directory, "ckpt-1"),
+        tf.train.latest_checkpoint(os.path.join(directory, "manager")),
+    ):
+        tf.train.Checkpoint(model=model).read(prefix).assert_existing_objects_matched()
+    assert tf.saved_model.load(os.path.join(directory, "sm")) is not None
+    np.testing.assert_array_equal(model.get_weights()[0], np.full((FEATURES, UNITS), 0.5))
+
+
+def test_a_save_no_strategy_owns_makes_no_mpi_call(strategy, shared_dir):
+    """Outside any scope, an object that no strategy built: rank 0 saves it
+    alone while the other ranks wait in an MPI call of the program's own (a
+    barrier). A collective hidden in the save would make both wait for ever
+    (a launch that hangs: tests/launchers/test_under_mpiexec.py ends it)."""
+    del strategy  # (the world's MPIStrategy exists: these saves are this library's work)
+    directory = os.path.join(shared_dir, "unscoped-alone")
+    logdir = os.path.join(shared_dir, "logs-alone")
+    if RANK == 0:
+        model = _unscoped_model()
+        for save in UNSCOPED_SAVES.values():
+            save(model, directory)
+        with tf.summary.create_file_writer(logdir).as_default():  # (names no object)
+            tf.summary.scalar("loss", 1.0, step=0)
+    WORLD.Barrier()
+    _loads_unscoped(directory)
+    assert len(os.listdir(logdir)) == 1
+
+
+def test_saves_no_strategy_owns_are_written_once_per_path_and_complete_on_return(
+    strategy, shared_dir
+):
+    """Every rank saves the same unscoped objects to one path: without the lock
+    they race (TensorFlow's ``<prefix>_temp`` staging, a half-written zip).
+    Each is written once in all, loads on every rank right after, and the
+    directories list only what one process writes; to a directory of its own
+    per rank (as node-local disks are), each rank writes."""
+    del strategy  # (the world's MPIStrategy exists: these saves are this library's work)
+    model = _unscoped_model()
+    directory = os.path.join(shared_dir, "unscoped")
+    wrote = 0
+    for save in UNSCOPED_SAVES.values():
+        WORLD.Barrier()  # (the ranks start each save together)
+        before = written_bytes()
+        save(model, directory)
+        wrote += written_bytes() - before
+    _loads_unscoped(directory)
+    WORLD.Barrier()
+    artifact_bytes = sum(
+        os.path.getsize(os.path.join(directory, f)) for f in _files_under(directory)
+    )
+    # Once in all: one rank writes each (the others, in memory, nothing).
+    assert WORLD.allreduce(wrote) <= artifact_bytes * 1.25 + SIZE * FIRST_CALL_BYTES
+    own = os.path.join(shared_dir, f"rank{RANK}")
+    os.makedirs(own)  # (Keras creates no directory)
+    before = written_bytes()
+    model.save_weights(os.path.join(own, "w.weights.h5"))
+    assert written_bytes() - before >= UNITS * FEATURES * 4  # (every rank wrote its copy)
+    model.load_weights(os.path.join(own, "w.weights.h5"))
+    assert os.listdir(own) == ["w.weights.h5"]
+    WORLD.Barrier()
+    assert sorted(os.listdir(shared_dir)) == sorted(
+        ["unscoped"] + [f"rank{r}" for r in range(SIZE)]
+    )
+
+
+def test_checkpoints_no_strategy_owns_never_race(strategy, shared_dir):
+    """As test_checkpoint_saves_on_every_rank_never_race, for a checkpoint of
+    a variable that no strategy built: the directory's lock, not a meeting."""
+    del strategy
+    variable = tf.Variable(tf.zeros([200_000]))
+    checkpoint = tf.train.Checkpoint(v=variable)
+    prefix = os.path.join(shared_dir, "unscoped-race", "ckpt")
+    for step in range(10):  # (without the lock, the first or sixth save failed)
+        variable.assign(tf.fill([200_000], float(step)))
+        WORLD.Barrier()  # (the ranks start each save together, as in a training loop)
+        path = checkpoint.save(prefix)
+        variable.assign(tf.zeros([200_000]))
+        checkpoint.restore(path).assert_consumed()
+        assert float(variable[-1]) == step
+
+
+def test_where_directories_refuse_the_record_the_ranks_meet(strategy, shared_dir, monkeypatch):
+    """A filesystem without extended attributes (NFS before 4.2, ...): every
+    rank saving there meets the others instead, and one rank writes."""
+    del strategy
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.ENOTSUP, "Operation not supported")
+
+    monkeypatch.setattr(os, "setxattr", refused)
+    variable = tf.Variable(tf.fill([200_000], float(RANK == 0)))  # (only rank 0's is 1)
+    prefix = os.path.join(shared_dir, "refused", "ckpt")
+    WORLD.Barrier()
+    before = written_bytes()
+    path = tf.train.Checkpoint(v=variable).write(prefix)
+    wrote = WORLD.allreduce(written_bytes() - before)
+    assert wrote <= 800_000 * 1.25 + SIZE * FIRST_CALL_BYTES  # (once in all)
+    tf.train.Checkpoint(v=variable).read(path).assert_consumed()
+    assert float(variable[0]) == 1.0  # (rank 0's values: the meeting's writer)
+
+
+def test_an_unknown_save_mode_raises():
+    from mpi_strategy._src._tf_internal import Instead, WriteCall
+    from mpi_strategy._src.features.saving import calls
+
+    assert all(calls.handler_for(WriteCall("m", "f", "path", mode, None)) for mode in Instead)
+    with pytest.raises(mpi_strategy.MPIStrategyError, match="unknown save mode 'memroy'"):
+        calls.handler_for(WriteCall("m", "f", "path", "memroy", None))

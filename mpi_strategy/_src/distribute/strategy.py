@@ -12,9 +12,11 @@ through ``MPICrossDeviceOps``.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
@@ -42,7 +44,7 @@ _SCOPE_LISTENERS: list[Callable[[], None]] = []
 # where writes that name no object meet, and where the program's end is
 # agreed on. Held strongly: whether a rank meets the others must never depend
 # on what its program still holds.
-_state: dict[str, Any] = {"world": None, "warned_ignored": False}
+_state: dict[str, Any] = {"world": None, "warned_ignored": False, "job": None}
 
 
 def on_scope(listener: Callable[[], None]) -> None:
@@ -57,6 +59,23 @@ def newest_over_the_world() -> MPIStrategy | None:
     all its living ranks after ranks were lost), or None."""
     world: MPIStrategy | None = _state["world"]
     return world
+
+
+def job_id() -> str | None:
+    """The same random text on every rank of this job (and another in the next
+    job), drawn when the first MPIStrategy over the world was built; None
+    before. Saves that need no MPI call tell this job's files by it."""
+    job: str | None = _state["job"]
+    return job
+
+
+def _draw_job_id(comm: MPI.Intracomm) -> str:
+    """Rank 0's job id (drawn at random if it has none) on every rank of
+    ``comm``: a replacement of a lost rank takes the survivors'."""
+    job = _state["job"]
+    drawn = np.frombuffer(bytes.fromhex(job) if job else os.urandom(16), np.uint8).copy()
+    comm.Bcast(drawn, root=0)
+    return drawn.tobytes().hex()
 
 
 class MPIStrategy(tf.distribute.Strategy):
@@ -201,6 +220,8 @@ class MPIExtended(_tf_internal.MirroredExtended):
         failure.arm(self._comm)
         if self._num_ranks > 1 and spans_the_world(self._comm):
             _state["world"] = self._container_strategy()
+            if _state["job"] is None:  # (the same on every rank of the world)
+                _state["job"] = _draw_job_id(self._comm)
         _notify_scope_listeners()
 
     @property
@@ -223,6 +244,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
             comm, self._communication_options, self._cross_device_ops.policy
         )
         _state["world"] = self._container_strategy()  # all the living ranks
+        _state["job"] = _draw_job_id(comm)
         self._cluster_resolver = MPIClusterResolver(
             comm,
             {_device_type(self._devices[0]): len(self._devices)},

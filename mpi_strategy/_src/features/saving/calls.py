@@ -3,25 +3,26 @@
 ``write_point_wrapper`` makes each function or method listed in
 ``_tf_internal.WRITE_CALLS`` and in the ``write_calls`` of
 ``_keras_internal.SITES`` (``effects.py`` installs the wrappers) a write point
-when it is this library's work (``write_point.applies``): a call made on every
-rank writes once per filesystem and returns on every rank once the files are
-complete. A call made on some ranks only writes there, as before; any other
+when it is this library's work (``write_point.point_for``): a call made on
+every rank writes once per filesystem and returns on every rank once the files
+are complete. A call made on some ranks only writes there, as before; any other
 call runs unchanged.
-On a rank that does not write, the call instead:
+On a rank that does not write, the call instead does what its ``Instead``
+names (one handler each, ``_HANDLERS``):
 
-* ``memory``: runs against an in-memory path (``ram://``), so that whatever
+* ``MEMORY``: runs against an in-memory path (``ram://``), so that whatever
   the save reads through a collective (metrics) is read on every rank;
-* ``h5_memory``: runs against an in-memory HDF5 file (h5py writes outside
+* ``H5_MEMORY``: runs against an in-memory HDF5 file (h5py writes outside
   TensorFlow's filesystems);
-* ``skip``: does nothing (index files, deletions of old checkpoints);
-* ``scratch_if_h5``: ``scratch`` for an HDF5 file (h5py opens local files
-  only), else ``memory``;
-* ``noop_writer``: returns ``tf.summary.create_noop_writer()``;
-* ``devnull``: writes to ``os.devnull`` (a log file kept open across calls);
-* ``scratch``: runs against a path in a fresh local directory, in memory
+* ``SKIP``: does nothing (index files, deletions of old checkpoints);
+* ``SCRATCH_IF_H5``: ``SCRATCH`` for an HDF5 file (h5py opens local files
+  only), else ``MEMORY``;
+* ``NOOP_WRITER``: returns ``tf.summary.create_noop_writer()``;
+* ``DEVNULL``: writes to ``os.devnull`` (a log file kept open across calls);
+* ``SCRATCH``: runs against a path in a fresh local directory, in memory
   (``/dev/shm``) where it has room, else in the temporary directory, deleted
   right after (writers that open local files only);
-* ``same``: runs unchanged (its writes are already write points); the ranks
+* ``SAME``: runs unchanged (its writes are already write points); the ranks
   only meet before and after, so that the files are complete when it returns.
 
 Functions name the argument holding the path; methods name it ``self.<attr>``
@@ -41,11 +42,12 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from mpi_strategy._src._tf_internal import WriteCall
+from mpi_strategy._src._tf_internal import Instead, WriteCall
+from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.features.saving import write_point
 
@@ -53,7 +55,8 @@ from mpi_strategy._src.features.saving import write_point
 def synchronous_checkpoint_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """A Checkpoint method (``_tf_internal.ASYNC_CHECKPOINT_CALLS``) that ignores
     the asynchronous-checkpoint option for this library's checkpoints: a write
-    point must run in the calling thread, where the ranks meet."""
+    point must run in the calling thread, where the ranks meet (or it holds
+    the directory's lock)."""
 
     @functools.wraps(original)
     def synchronous(self: Any, file_prefix: Any, options: Any = None) -> Any:
@@ -77,28 +80,26 @@ def write_point_wrapper(function: Callable[..., Any], listed: WriteCall) -> Call
     """``function`` (listed as ``listed``) as a write point (see the module)."""
     signature = inspect.signature(function)
     what = f"{listed.owner.replace(':', '.')}.{listed.name}"
+    handler = handler_for(listed)
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         path = _attribute(bound, listed.path)
-        call = listed
-        if call.instead == "scratch_if_h5" and isinstance(path, (str, os.PathLike)):
-            call = call._replace(instead="scratch" if _is_h5(bound, path) else "memory")
         if write_point.role() == write_point.IN_MEMORY:  # inside an outer write point
-            if _replaced_when_nested(call, path):
-                return _instead(function, bound, call, path)
+            if _is_path(path) and not handler.kept_when_nested(bound, os.fspath(path)):
+                return handler.instead(function, bound, listed, path)
             return function(*args, **kwargs)
         if write_point.role() is not None:  # inside an outer listed call: it decided
             return function(*args, **kwargs)
         written = write_point.NO_OBJECT if listed.of is None else _attribute(bound, listed.of)
-        ordered = write_point.applies(path, written)
-        if ordered is None:
+        point = write_point.point_for(path, written, what)
+        if point is None:
             with write_point.not_ours():
                 return function(*args, **kwargs)
-        with write_point.write_point(ordered, path, what), _scope_of_model(bound):
+        with point, _scope_of_model(bound):
             if write_point.role() == write_point.IN_MEMORY:
-                return _instead(function, bound, call, path)
+                return handler.instead(function, bound, listed, path)
             return function(*args, **kwargs)
 
     return wrapper
@@ -121,22 +122,6 @@ def _scope_of_model(bound: inspect.BoundArguments) -> contextlib.AbstractContext
     return model.distribute_strategy.scope()
 
 
-def _replaced_when_nested(call: WriteCall, path: Any) -> bool:
-    """Whether a call inside an in-memory write point must be replaced too: yes,
-    unless it already writes where the outer call sent it (memory, scratch)."""
-    if not isinstance(path, (str, os.PathLike)):
-        return False
-    path = os.fspath(path)
-    in_memory, in_scratch = path.startswith("ram://"), _in_scratch(path)
-    ours = {
-        "memory": in_memory,
-        "scratch": in_scratch,  # (scratch: opens local files only)
-        "devnull": in_memory or in_scratch,
-        "same": in_memory or in_scratch,
-    }
-    return not ours.get(call.instead, False)
-
-
 def _attribute(bound: inspect.BoundArguments, where: str) -> Any:
     """The argument named ``where``, or for "self.<a>.<b>" that attribute of self."""
     if where.startswith("self."):
@@ -147,42 +132,117 @@ def _attribute(bound: inspect.BoundArguments, where: str) -> Any:
     return bound.arguments.get(where)
 
 
-def _instead(
-    function: Callable[..., Any], bound: inspect.BoundArguments, call: WriteCall, path: Any
-) -> Any:
-    """What a rank that does not write for ``path`` does instead of ``function``."""
-    if call.instead == "skip":
-        return None
-    if call.instead == "noop_writer":
-        return tf.summary.create_noop_writer()
-    if call.instead == "same":
+def _is_path(path: Any) -> bool:
+    return isinstance(path, (str, os.PathLike))
+
+
+Call = Callable[..., Any]
+
+
+class Handler(NamedTuple):
+    """How a rank that does not write runs one kind of listed call."""
+
+    # (function, its bound arguments, the listed call, the path) -> its result
+    instead: Callable[[Call, inspect.BoundArguments, WriteCall, Any], Any]
+    # Whether, inside an outer in-memory write point, a call writing to this
+    # path already writes where the outer call sent it (memory, scratch) and
+    # runs unchanged.
+    kept_when_nested: Callable[[inspect.BoundArguments, str], bool]
+
+
+def handler_for(listed: WriteCall) -> Handler:
+    """The handler of ``listed.instead``; raises for anything not an ``Instead``."""
+    if not isinstance(listed.instead, Instead) or listed.instead not in _HANDLERS:
+        raise MPIStrategyError(
+            f"mpi_strategy: {listed.owner}.{listed.name} is listed with the unknown save "
+            f"mode {listed.instead!r}; the modes are {[m.name for m in Instead]}."
+        )
+    return _HANDLERS[listed.instead]
+
+
+def _h5_in_memory(function: Call, bound: inspect.BoundArguments, call: WriteCall, path: Any) -> Any:
+    import h5py
+
+    with h5py.File(io.BytesIO(), "w") as memory_file:
+        bound.arguments[call.path] = memory_file
         return function(*bound.args, **bound.kwargs)
-    if call.instead == "h5_memory":
-        import h5py
 
-        with h5py.File(io.BytesIO(), "w") as memory_file:
-            bound.arguments[call.path] = memory_file
-            return function(*bound.args, **bound.kwargs)
-    path = os.fspath(path)
-    if call.instead == "scratch":
-        scratch = tempfile.mkdtemp(prefix=_SCRATCH_PREFIX, dir=_scratch_root())
-        target = os.path.join(scratch, os.path.basename(os.path.normpath(path)))
-    else:
-        target = os.devnull if call.instead == "devnull" else write_point.memory_path(path)
+
+def _in_memory(function: Call, bound: inspect.BoundArguments, call: WriteCall, path: Any) -> Any:
+    target = write_point.memory_path(path)
     try:
-        if call.attrs:
-            return _with_attributes_at(function, bound, call, path, target)
-        bound.arguments[call.path] = target
-        return _real_path_in(function(*bound.args, **bound.kwargs), target, path)
+        return _against(function, bound, call, os.fspath(path), target)
     finally:
-        if call.instead == "scratch":
-            shutil.rmtree(scratch, ignore_errors=True)
-        elif target != os.devnull:
-            write_point.remove_memory_path(target)
+        write_point.remove_memory_path(target)
 
 
-def _in_scratch(path: Any) -> bool:
-    return os.path.basename(os.path.dirname(os.fspath(path))).startswith(_SCRATCH_PREFIX)
+def _in_scratch_dir(
+    function: Call, bound: inspect.BoundArguments, call: WriteCall, path: Any
+) -> Any:
+    scratch = tempfile.mkdtemp(prefix=_SCRATCH_PREFIX, dir=_scratch_root())
+    path = os.fspath(path)
+    try:
+        target = os.path.join(scratch, os.path.basename(os.path.normpath(path)))
+        return _against(function, bound, call, path, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _to_devnull(function: Call, bound: inspect.BoundArguments, call: WriteCall, path: Any) -> Any:
+    return _against(function, bound, call, os.fspath(path), os.devnull)
+
+
+def _scratch_if_h5(
+    function: Call, bound: inspect.BoundArguments, call: WriteCall, path: Any
+) -> Any:
+    instead = _in_scratch_dir if _is_h5(bound, path) else _in_memory
+    return instead(function, bound, call, path)
+
+
+def _against(
+    function: Call, bound: inspect.BoundArguments, call: WriteCall, path: str, target: str
+) -> Any:
+    """``function`` writing to ``target`` instead of ``path``."""
+    if call.attrs:
+        return _with_attributes_at(function, bound, call, path, target)
+    bound.arguments[call.path] = target
+    return _real_path_in(function(*bound.args, **bound.kwargs), target, path)
+
+
+def _in_memory_path(bound: inspect.BoundArguments, path: str) -> bool:
+    return path.startswith("ram://")
+
+
+def _in_scratch_path(bound: inspect.BoundArguments, path: str) -> bool:
+    return os.path.basename(os.path.dirname(path)).startswith(_SCRATCH_PREFIX)
+
+
+def _in_memory_or_scratch(bound: inspect.BoundArguments, path: str) -> bool:
+    return _in_memory_path(bound, path) or _in_scratch_path(bound, path)
+
+
+def _kept_if_h5(bound: inspect.BoundArguments, path: str) -> bool:
+    kept = _in_scratch_path if _is_h5(bound, path) else _in_memory_path
+    return kept(bound, path)
+
+
+def _never(bound: inspect.BoundArguments, path: str) -> bool:
+    return False
+
+
+_HANDLERS = {
+    Instead.MEMORY: Handler(_in_memory, _in_memory_path),
+    Instead.H5_MEMORY: Handler(_h5_in_memory, _never),
+    Instead.SKIP: Handler(lambda *_: None, _never),
+    Instead.SCRATCH_IF_H5: Handler(_scratch_if_h5, _kept_if_h5),
+    Instead.NOOP_WRITER: Handler(lambda *_: tf.summary.create_noop_writer(), _never),
+    Instead.DEVNULL: Handler(_to_devnull, _in_memory_or_scratch),
+    Instead.SCRATCH: Handler(_in_scratch_dir, _in_scratch_path),
+    Instead.SAME: Handler(
+        lambda function, bound, call, path: function(*bound.args, **bound.kwargs),
+        _in_memory_or_scratch,
+    ),
+}
 
 
 _SCRATCH_PREFIX = "mpi_strategy-scratch-"

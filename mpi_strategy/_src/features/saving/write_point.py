@@ -4,9 +4,10 @@ A one-process program saves with, e.g., ``checkpoint.save(prefix)``; run
 unchanged on N ranks, every rank makes that call. Each call of a TensorFlow or
 Keras function that writes files (listed in ``_tf_internal.WRITE_CALLS`` and
 ``_keras_internal.SITES``; wrapped by ``calls.py``) is a *write point* when it
-belongs to a multi-rank MPIStrategy (``strategy_for``): it runs in its scope,
-or writes an object (a model, a checkpoint, a module) whose variables it
-built, or, outside any scope, an object that no strategy built. Then:
+is this library's work (``point_for``). Two kinds:
+
+A save that belongs to a multi-rank MPIStrategy (``owner_of``: made in its
+scope, or of an object whose variables it built) meets the other ranks:
 
 1. The ranks meet (``WRITE``, tagged with the function and path).
    If only some ranks made the call (``if rank == 0: model.save(...)``), they
@@ -22,6 +23,19 @@ built, or, outside any scope, an object that no strategy built. Then:
    returns on every rank once every copy is complete, and if any rank failed,
    every rank raises.
 
+A save that no strategy owns (outside any scope, of an object that no
+strategy built, or naming no object, as a summary writer), in a job with a
+multi-rank MPIStrategy over the world, makes no MPI call
+(``locked_write_point``): it needs no other rank, so a rank may make it alone
+while the others wait in MPI calls of the program's own. The ranks that make
+it take turns under a lock of the destination's directory (``flock``); the
+first of a filesystem writes the real path, in place, as one process does,
+and records in an extended attribute of that directory that this job's n-th
+save of that name is written; the others then find it recorded and make the
+call against an in-memory path, as in 3. Every rank returns once that copy is
+complete. Nothing is added to the directory's listing. Where the filesystem
+refuses the lock or the attribute, the ranks meet as above.
+
 A save that belongs to another strategy (made in its scope, or of objects it
 built) runs as it would without mpi_strategy, with no MPI call.
 """
@@ -29,8 +43,13 @@ built) runs as it would without mpi_strategy, with no MPI call.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import hashlib
 import itertools
+import json
 import os
+import re
 import threading
 import weakref
 import zlib
@@ -42,10 +61,11 @@ import tensorflow as tf
 
 from mpi_strategy._src.core import filesystems, rendezvous as rendezvous_lib
 from mpi_strategy._src.core.errors import MPIStrategyError
+from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.core.protocol import Field
 from mpi_strategy._src.core.rendezvous import Kind, Rendezvous
 from mpi_strategy._src.distribute.ops import OrderedComm
-from mpi_strategy._src.distribute.strategy import MPIStrategy, newest_over_the_world
+from mpi_strategy._src.distribute.strategy import MPIStrategy, job_id, newest_over_the_world
 
 WRITE = rendezvous_lib.register_kind(
     Kind(
@@ -114,19 +134,22 @@ def alone() -> bool:
 
 
 def strategy_for(written: Any = NO_OBJECT) -> tf.distribute.Strategy | None:
+    """The strategy a write is this library's work for: its owner
+    (``owner_of``), else (an object that no strategy built, or a call that
+    names no object, such as a summary writer) the newest MPIStrategy over all
+    of ``COMM_WORLD``, as the one-process program expects (TensorFlow's own
+    tutorials save such objects from every rank to one path); None if none."""
+    return owner_of(written) or newest_over_the_world()
+
+
+def owner_of(written: Any = NO_OBJECT) -> tf.distribute.Strategy | None:
     """The strategy a write belongs to: the one in scope; else the strategy
-    that built the variables ``written`` holds; else (an object that no
-    strategy built, or a call that names no object, such as a summary writer)
-    the newest MPIStrategy over all of ``COMM_WORLD``, as the one-process
-    program expects (TensorFlow's own tutorials save such objects from every
-    rank to one path); None if none."""
+    that built the variables ``written`` holds; None if neither."""
     if tf.distribute.has_strategy():
         return tf.distribute.get_strategy()
-    if written is not NO_OBJECT:
-        built_by = strategy_of(written, default=tf.distribute.get_strategy())
-        if built_by is not None:
-            return built_by
-    return newest_over_the_world()
+    if written is NO_OBJECT:
+        return None
+    return strategy_of(written, default=tf.distribute.get_strategy())
 
 
 def strategy_of(obj: Any, default: tf.distribute.Strategy) -> tf.distribute.Strategy | None:
@@ -154,9 +177,9 @@ def _named_strategy(obj: Any, default: tf.distribute.Strategy) -> tf.distribute.
 
 
 def ordered_comm_for(written: Any = NO_OBJECT) -> OrderedComm | None:
-    """Where the ranks meet for a write of ``written``: the ordered
-    communicator of its multi-rank MPIStrategy (``strategy_for``), or None
-    when the write is not this library's work (it then runs unchanged)."""
+    """The ordered communicator of the multi-rank MPIStrategy a write of
+    ``written`` is this library's work for (``strategy_for``), or None when it
+    is not (it then runs unchanged)."""
     return ordered_comm_of(strategy_for(written))
 
 
@@ -171,9 +194,12 @@ def ordered_comm_of(strategy: tf.distribute.Strategy | None) -> OrderedComm | No
     return ordered
 
 
-def applies(path: Any, written: Any = NO_OBJECT) -> OrderedComm | None:
-    """The ordered communicator on which a call writing ``path`` (holding
-    ``written``) is a write point, or None if it runs unchanged."""
+def point_for(path: Any, written: Any, what: str) -> contextlib.AbstractContextManager[None] | None:
+    """The write point a call ``what`` writing ``path`` (holding ``written``)
+    is, or None if it runs unchanged: its owner's meeting (``write_point``);
+    for a local path that no strategy owns, the directory's lock
+    (``locked_write_point``); for a remote one, the world's meeting (no lock
+    spans an object store)."""
     if (
         role() is not None
         or not isinstance(path, (str, os.PathLike))
@@ -181,7 +207,17 @@ def applies(path: Any, written: Any = NO_OBJECT) -> OrderedComm | None:
         or not tf.executing_eagerly()
     ):
         return None
-    return ordered_comm_for(written)
+    owner = owner_of(written)
+    ordered = ordered_comm_of(owner or newest_over_the_world())
+    job = job_id()
+    if ordered is None:
+        return None
+    if owner is not None or _REMOTE.match(os.fspath(path)) or job is None:
+        return write_point(ordered, path, what)
+    return locked_write_point(ordered, path, what, job)
+
+
+_REMOTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 @contextlib.contextmanager
@@ -230,14 +266,136 @@ def _topology(ordered: OrderedComm) -> filesystems.Topology:
 
 
 @contextlib.contextmanager
-def _in_role(current: str, rendezvous: Rendezvous, alone: bool = False) -> Iterator[None]:
+def _in_role(
+    current: str, rendezvous: Rendezvous | None = None, alone: bool = False
+) -> Iterator[None]:
     _local.role, _local.alone = current, alone
-    rendezvous.solo = WRITE if alone else None
+    if rendezvous is not None:
+        rendezvous.solo = WRITE if alone else None
     try:
         yield
     finally:
         _local.role, _local.alone = None, False
-        rendezvous.solo = None
+        if rendezvous is not None:
+            rendezvous.solo = None
+
+
+@contextlib.contextmanager
+def locked_write_point(
+    ordered: OrderedComm, path: str | os.PathLike[str], what: str, job: str
+) -> Iterator[None]:
+    """The block writes ``path`` if ``role()`` is WRITES inside it; no MPI call.
+
+    This rank's n-th such save of ``path`` locks the directory that holds it
+    (``flock`` on the directory itself) and writes, unless the record of that
+    directory (an extended attribute, ``_RECORD``) says that this job's n-th
+    save of that name is written; it then records it. A rank that finds it
+    recorded (another rank wrote it, on this filesystem) gets role IN_MEMORY
+    once the writer let go of the lock: the copy is complete when the block
+    starts. A failed write records nothing: the next rank to come writes.
+    Where the filesystem refuses the lock or the record, every rank saving
+    there does so alike, and they meet instead (``write_point``).
+    """
+    full = os.path.abspath(os.fspath(path))
+    directory, name = os.path.split(full)
+    key = hashlib.blake2b(name.encode(), digest_size=8).hexdigest()
+    with _process_lock:
+        saves = _saves_made[full] = _saves_made.get(full, 0) + 1
+    with _locked(directory) as lock:
+        if lock is not None:
+            saved = _recorded(lock, job)
+            if saved.get(key, 0) < saves:
+                with _in_role(WRITES):
+                    yield
+                saved.pop(key, None)  # (re-inserted last: the newest are kept)
+                _record(lock, job, dict(saved, **{key: saves}), full)
+                return
+    if lock is None:  # (the filesystem refuses flock or extended attributes)
+        with write_point(ordered, path, what):
+            yield
+        return
+    with _in_role(IN_MEMORY):
+        yield
+
+
+# An extended attribute of the directory that holds the saved path: invisible
+# to a listing (a file there would be seen by programs that list it, such as
+# TensorBoard's), gone with the directory. {"job": ..., "saved": {key: n}}
+# where key hashes a name of that directory and n counts this job's saves of
+# it that are written; at most _KEPT names (an ext4 inode holds ~4 KB of them).
+_RECORD = "user.mpi_strategy.saves"
+_KEPT = 64
+_process_lock = threading.Lock()
+_saves_made: dict[str, int] = {}  # path: this process's locked saves of it
+_refused: set[str] = set()  # directories without the lock or the record
+
+
+@contextlib.contextmanager
+def _locked(directory: str) -> Iterator[int | None]:
+    """Holds the lock of ``directory`` (created if missing, as a TensorFlow
+    save would) and yields its descriptor, or None, unlocked, where the
+    filesystem refuses ``flock`` on a directory or this record (NFS, a sticky
+    directory of another user, ...). ``flock`` locks each open descriptor:
+    threads of this process exclude each other too."""
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.setxattr(fd, _RECORD, _read(fd) or b"{}")  # (can it be written here?)
+        except OSError as exc:
+            if directory not in _refused:  # (once per directory)
+                _refused.add(directory)
+                logger.warning(
+                    "mpi_strategy: %s refuses a lock or an extended attribute (%s): saves "
+                    "there of objects that no strategy built meet the other ranks "
+                    "(docs/checkpointing.md, Limits)",
+                    directory,
+                    exc,
+                )
+            yield None
+            return
+        yield fd
+    finally:
+        os.close(fd)  # (lets go of the lock)
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.getxattr(fd, _RECORD)
+    except OSError as exc:
+        if exc.errno != errno.ENODATA:
+            raise
+        return b""
+
+
+def _recorded(fd: int, job: str) -> dict[str, int]:
+    """{key: how many saves of its name are written} in this job, as recorded."""
+    try:
+        record = json.loads(_read(fd))
+        return dict(record["saved"]) if record["job"] == job else {}
+    except (ValueError, KeyError, TypeError):
+        return {}  # empty (new), or another job's: nothing recorded
+
+
+def _record(fd: int, job: str, saved: dict[str, int], path: str) -> None:
+    """Records ``saved``, the oldest names first dropped where it does not fit
+    (a rank that many saves behind writes its copy again)."""
+    kept = list(saved.items())[-_KEPT:]
+    while True:
+        try:
+            os.setxattr(fd, _RECORD, json.dumps({"job": job, "saved": dict(kept)}).encode())
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.E2BIG) or len(kept) <= 1:
+                logger.warning(
+                    "mpi_strategy: %s is written, but could not be recorded (%s): "
+                    "another rank saving it will write it again",
+                    path,
+                    exc,
+                )
+                return
+            kept = kept[len(kept) // 2 :]
 
 
 def memory_path(path: str | os.PathLike[str]) -> str:
