@@ -121,7 +121,8 @@ def markdown(result):
     m = result["machine"]
     lines = [
         f"Run: `{result['command']}` on {result['time']}, {result['duration_s'] / 60:.1f} min, "
-        f"{r} ranks{' (QUICK: few repeats, not for quoting)' if result['quick'] else ''}.",
+        f"{r} ranks{' (QUICK: few repeats, not for quoting)' if result['quick'] else ''}; "
+        f"engine: {result.get('engine', 'not recorded')}.",
         "",
         f"Machine: {m['cores']} cores, {m['cpu']}, {m['memory_GiB']} GiB; Python {m['python']}; "
         + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
