@@ -1,10 +1,12 @@
 """Tables, targets and plots from a results report of ``python -m benchmarks``.
 
+    python -m benchmarks.report benchmarks/results/latest.json          # redraw next to it
     python -m benchmarks.report benchmarks/results/latest.json --docs   # redo docs/ from it
 
-The generated markdown goes to ``<out_dir>/latest.md`` and, for a full run,
-between the GENERATED markers of docs/benchmarks.md (the text around them is
-written by hand).
+The generated markdown goes to ``<out_dir>/latest.md`` and, only when asked
+(``python -m benchmarks --update-docs``, or ``--docs`` here), between the
+GENERATED markers of docs/benchmarks.md (the text around them is written by
+hand), with the plots in docs/img.
 """
 
 import os
