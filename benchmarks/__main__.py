@@ -1,15 +1,18 @@
-"""Runs every benchmark of the performance issue and writes the results.
+"""Measures MPIStrategy on this machine: what a user runs, and what it reports.
 
-    python -m benchmarks            # full run (<= 15 min on 2 cores): results, plots, docs
-    python -m benchmarks --quick    # smoke run (a couple of minutes) into benchmarks/results/quick/
-    python -m benchmarks --links    # only the emulated slow link (root: netns + tc): links.json/.md
-    python -m benchmarks --elastic  # only elastic mode's cost (Open MPI 5, ULFM): elastic.json/.md
-    python -m benchmarks --kernels  # only native kernels vs the Python engine: kernels.json/.md
+    python -m benchmarks --quick            # a couple of minutes: does everything run here?
+    python -m benchmarks                    # the full run (<= 15 min on 2 cores)
+    python -m benchmarks --ranks 4          # the same at 4 ranks
+    python -m benchmarks --kernels          # the native kernels against the Python engine
+    python -m benchmarks --elastic          # elastic mode's cost when nothing fails (ULFM)
+    python -m benchmarks.horovod            # the same step as MPIStrategy and as Horovod
 
-Full run: benchmarks/results/latest.json and latest.md, docs/img/*.png, and the
-generated block of docs/benchmarks.md. Each figure of docs/benchmarks.md comes
-from this one command. Ratios are what matter on a noisy machine: every
-compared pair is measured in the same run.
+Each prints its report (Markdown) and keeps every number and plot under
+benchmarks/results/, which git ignores (``--out-dir`` for elsewhere). Files
+that git tracks (docs/img/*.png and the generated block of docs/benchmarks.md)
+are written only when asked, with ``--update-docs``. docs/benchmarks.md says
+what each figure measures and how to read it. Ratios are what matter on a
+noisy machine: every compared pair is measured in the same run.
 """
 
 import argparse
@@ -17,6 +20,8 @@ import contextlib
 import importlib
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 from importlib import metadata
@@ -107,29 +112,36 @@ def machine_info():
     }
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2)
+MAINTAINERS = """\
+maintainers' tools (docs/contributing.md, "Benchmarks for maintainers"):
+  python -m benchmarks --update-docs      a full run that also rewrites docs/img/*.png and the
+                                          generated block of docs/benchmarks.md (tracked files)
+  python -m benchmarks --links            overlap on an emulated slow link: 2 "hosts" that are
+                                          network namespaces on this one machine (needs root)
+  python -m benchmarks.against REV        step times of this tree against commit REV, side by side
+  python -m benchmarks.timeline_view T    where a step's time goes, from a timeline trace T
+  python -m benchmarks.report R --docs    redo docs/img and docs/benchmarks.md from results file R
+"""
+
+
+def parser():
+    """The command line: the user's options first, the maintainers' apart."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        epilog=MAINTAINERS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--ranks", type=int, default=2, help="ranks under mpiexec (default 2)")
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="few repeats and steps; writes to benchmarks/results/quick/ only",
+        help="few repeats and steps, into benchmarks/results/quick/ (a smoke run: not for quoting)",
     )
     parser.add_argument(
         "--out-dir",
         help="where results and plots go "
         "(default benchmarks/results, or benchmarks/results/quick with --quick)",
-    )
-    parser.add_argument(
-        "--no-docs",
-        action="store_true",
-        help="do not update docs/img and docs/benchmarks.md (implied by --quick)",
-    )
-    parser.add_argument(
-        "--links",
-        action="store_true",
-        help="only the overlap benchmark on an emulated slow link (needs root "
-        "for network namespaces; skipped with a message otherwise)",
     )
     parser.add_argument(
         "--elastic",
@@ -142,12 +154,58 @@ def main():
         action="store_true",
         help="only the native kernels against the Python engine (benchmarks/kernels.py)",
     )
-    args = parser.parse_args()
+    maintainers = parser.add_argument_group("maintainers' options")
+    maintainers.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="also write docs/img/*.png and the generated block of docs/benchmarks.md "
+        "(files git tracks; a full run only)",
+    )
+    maintainers.add_argument(
+        "--links",
+        action="store_true",
+        help="only the overlap benchmark on an emulated slow link (network namespaces "
+        "as hosts on this machine; needs root, skipped with a message otherwise)",
+    )
+    return parser
+
+
+def destinations(args):
+    """Where a full run writes: (results directory, plots directory, docs page or None).
+
+    Files git tracks (docs/img, docs/benchmarks.md) only with ``--update-docs``;
+    otherwise everything stays in the results directory."""
     out_dir = args.out_dir or os.path.join(HERE, "results", "quick" if args.quick else "")
+    if args.update_docs:
+        docs = os.path.join(REPO, "docs")
+        return out_dir, os.path.join(docs, "img"), os.path.join(docs, "benchmarks.md")
+    return out_dir, os.path.join(out_dir, "img"), None
+
+
+def engine_in_use(ranks):
+    """Which engine runs the collectives at ``ranks`` ranks ("native", "python"),
+    as ``python -m mpi_strategy`` reports it on every rank."""
+    out = subprocess.run(
+        mpiexec_command(ranks) + python_module("mpi_strategy"),
+        env=dict(os.environ, **mpiexec_env()),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    engines = sorted(set(re.findall(r"kernels=(\w+)", out.stdout)))
+    return "/".join(engines) or f"unknown (python -m mpi_strategy: exit {out.returncode})"
+
+
+def main():
+    parser_ = parser()
+    args = parser_.parse_args()
+    if args.update_docs and (args.quick or args.links or args.elastic or args.kernels):
+        parser_.error("--update-docs needs a full run (no --quick, --links, --elastic, --kernels)")
+    out_dir, img_dir, docs_path = destinations(args)
     for name in ("links", "elastic", "kernels"):
         if getattr(args, name):
             return run_part(name, args.quick, out_dir)
-    write_docs = not (args.quick or args.no_docs)
     started = time.monotonic()
     result = {
         "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -156,6 +214,7 @@ def main():
         "command": "python -m benchmarks" + (" --quick" * args.quick),
         "machine": machine_info(),
         "load_before": load_average(),
+        "engine": engine_in_use(args.ranks),
     }
 
     def progress(what):
@@ -224,19 +283,15 @@ def main():
     with open(json_path, "w") as f:
         json.dump(result, f, indent=2)
     progress("plots and report")
-    img_dir = os.path.join(REPO, "docs", "img") if write_docs else os.path.join(out_dir, "img")
-    report.write_all(
-        result,
-        out_dir,
-        img_dir,
-        docs_path=os.path.join(REPO, "docs", "benchmarks.md") if write_docs else None,
-    )
-    progress(f"done: {json_path}")
+    report.write_all(result, out_dir, img_dir, docs_path=docs_path)
+    with open(os.path.join(out_dir, "latest.md")) as f:
+        print(f.read())
+    progress(f"done: {json_path}" + (f", {docs_path} and {img_dir}" if docs_path else ""))
 
 
 def run_part(name, quick, out_dir):
-    """One part alone (``--links``, ``--elastic``): benchmarks/<name>.py, into
-    <name>.json and <name>.md."""
+    """One part alone (``--links``, ``--elastic``, ``--kernels``): benchmarks/<name>.py,
+    printed and kept in <name>.json and <name>.md of ``out_dir``."""
     part = importlib.import_module(f"benchmarks.{name}")
     started = time.monotonic()
     result = {

@@ -1,10 +1,12 @@
 """Tables, targets and plots from a results report of ``python -m benchmarks``.
 
+    python -m benchmarks.report benchmarks/results/latest.json          # redraw next to it
     python -m benchmarks.report benchmarks/results/latest.json --docs   # redo docs/ from it
 
-The generated markdown goes to ``<out_dir>/latest.md`` and, for a full run,
-between the GENERATED markers of docs/benchmarks.md (the text around them is
-written by hand).
+The generated markdown goes to ``<out_dir>/latest.md`` and, only when asked
+(``python -m benchmarks --update-docs``, or ``--docs`` here), between the
+GENERATED markers of docs/benchmarks.md (the text around them is written by
+hand), with the plots in docs/img.
 """
 
 import os
@@ -121,7 +123,8 @@ def markdown(result):
     m = result["machine"]
     lines = [
         f"Run: `{result['command']}` on {result['time']}, {result['duration_s'] / 60:.1f} min, "
-        f"{r} ranks{' (QUICK: few repeats, not for quoting)' if result['quick'] else ''}.",
+        f"{r} ranks{' (QUICK: few repeats, not for quoting)' if result['quick'] else ''}; "
+        f"engine: {result.get('engine', 'not recorded')}.",
         "",
         f"Machine: {m['cores']} cores, {m['cpu']}, {m['memory_GiB']} GiB; Python {m['python']}; "
         + ", ".join(f"{k} {v}" for k, v in m["versions"].items())

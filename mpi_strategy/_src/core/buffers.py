@@ -9,9 +9,9 @@ while any tensor still views it.
 a buffer whose views TensorFlow has all dropped (seen from a weak reference:
 see ``BufferPool``). Reusing memory avoids the page faults of fresh
 pages and lets the MPI library reuse what it set up for that address (its
-shared-memory transport registers buffers): reducing 7.45 MB straight out of
-a fresh TensorFlow tensor measured ~2.9 ms, copying it into a reused buffer
-and reducing that in place ~1.3 ms (2 ranks, MPICH 5).
+shared-memory transport registers buffers), so a copy into a reused buffer
+and an in-place reduction of it beat reducing a fresh tensor's memory
+(measured in docs/contributing.md, "Measurements behind the design").
 """
 
 from __future__ import annotations

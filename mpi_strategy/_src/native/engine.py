@@ -1,4 +1,4 @@
-"""The native engine: all-reduce, broadcast and all-gather as compiled TensorFlow kernels.
+"""The native engine: the collectives as compiled TensorFlow kernels (``NativeComm``).
 
 ``MPI_STRATEGY_KERNELS`` chooses: ``native`` (build them or raise), ``python``
 (the numpy engine, ``core/collectives.py``), or unset / ``auto``: native when
