@@ -2,7 +2,7 @@
 
 Keras assembles ``predict`` outputs and builds its callback list from private
 module-level functions, and writes files from private functions and callback
-methods. ``features/keras.py`` wraps the first two for models whose strategy
+methods. ``features/keras_wrappers.py`` wraps the first two for models whose strategy
 is an MPIStrategy (``predict`` returns every row in input order on every
 rank; the progress bar shows on rank 0 only); ``features/saving`` makes the
 writers in ``SITES[...].write_calls`` write points. tf_keras's own redirection

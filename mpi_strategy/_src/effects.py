@@ -31,8 +31,8 @@ from mpi_strategy._src import _keras_internal, _tf_internal
 from mpi_strategy._src.core import failure, logs, timeline
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.distribute import strategy as strategy_lib
-from mpi_strategy._src.features import ending, keras as keras_lib, preemption
-from mpi_strategy._src.features.elastic import ending as elastic_ending
+from mpi_strategy._src.features import at_exit, keras_wrappers, preemption
+from mpi_strategy._src.features.elastic import ulfm_exit
 from mpi_strategy._src.features.saving import calls
 
 
@@ -186,12 +186,12 @@ def _qualified(owner: Any) -> str:
 
 def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
     try:
-        _replace(site.trainer, "reduce_per_replica", keras_lib.reduce_per_replica_wrapper)
+        _replace(site.trainer, "reduce_per_replica", keras_wrappers.reduce_per_replica_wrapper)
         backup = importlib.import_module(site.callbacks).BackupAndRestore
         _replace(
             f"{site.callback_list}:CallbackList",
             "__init__",
-            functools.partial(keras_lib.callback_list_init_wrapper, backup_class=backup),
+            functools.partial(keras_wrappers.callback_list_init_wrapper, backup_class=backup),
         )
         for call in site.write_calls:
             _replace(
@@ -202,12 +202,12 @@ def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
                 _replace(
                     _keras_internal.TF_KERAS_FILE_UTILS,
                     name,
-                    functools.partial(keras_lib.file_util_wrapper, name=name),
+                    functools.partial(keras_wrappers.file_util_wrapper, name=name),
                 )
             _replace(
                 f"{_keras_internal.TF_KERAS_TRAINING_STATE}:WorkerTrainingState",
                 "__init__",
-                keras_lib.training_state_init_wrapper,
+                keras_wrappers.training_state_init_wrapper,
             )
     except (ImportError, AttributeError) as exc:  # pragma: no cover - another Keras
         logger.warning(
@@ -260,8 +260,8 @@ def _at_exit() -> None:
     """The library's end of the program, in order: timeline files closed, the
     ranks' last meeting, and an elastic job's end under ULFM (which exits)."""
     timeline.close_all()
-    ending.agree_on_the_end()
-    elastic_ending.end_if_elastic(_at_exit)
+    at_exit.agree_on_the_end()
+    ulfm_exit.end_if_elastic(_at_exit)
 
 
 strategy_lib.on_scope(install)

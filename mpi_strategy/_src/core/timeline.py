@@ -11,7 +11,7 @@ by a crash still opens). Every collective is one event on its rank's row with
 two parts:
 
 * ``wait for ranks``: from entering the collective until every rank has
-  entered it (the agreement message, ``rendezvous.py``): time lost to other
+  entered it (the agreement message, ``agreement.py``): time lost to other
   ranks being late, i.e. to load imbalance and to everything else a step does;
 * ``transfer``: moving and summing the data once all ranks are there (the
   MPI call, the copies in and out; for small data, summing what the agreement
@@ -37,7 +37,7 @@ from typing import Any, TextIO
 from mpi4py import MPI
 
 ENV_VAR = "MPI_STRATEGY_TIMELINE"
-_KINDS = {
+_EVENT_NAMES = {
     "MPIAllreduce": "allreduce",
     "MPIAllgather": "all_gather",
     "MPIBroadcast": "broadcast",
@@ -95,7 +95,7 @@ class Timeline:
         self._write(
             dict(
                 common,
-                name=_KINDS.get(op_name, op_name),
+                name=_EVENT_NAMES.get(op_name, op_name),
                 ts=begin,
                 dur=(end - start) * 1e6,
                 args={"collective": number, "bytes": nbytes, "tensors": tensors},

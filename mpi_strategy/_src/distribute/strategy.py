@@ -31,7 +31,7 @@ from mpi_strategy._src.core.validation import (
 from mpi_strategy._src.distribute import compression as compression_lib
 from mpi_strategy._src.distribute.cluster_resolver import MPIClusterResolver
 from mpi_strategy._src.distribute.cross_device_ops import MPICrossDeviceOps
-from mpi_strategy._src.distribute.ops import OrderedComm
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 
 ReduceOp = tf.distribute.ReduceOp
 # Run whenever an MPIStrategy is built or its scope entered: effects.py adds

@@ -18,8 +18,8 @@ from mpi4py import MPI
 
 from mpi_strategy._src.core import failure, timeline as timeline_lib
 from mpi_strategy._src.distribute import strategy as strategy_lib
-from mpi_strategy._src.distribute.ops import OrderedComm
-from mpi_strategy._src.horovod.errors import MismatchError, StalledError
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
+from mpi_strategy._src.horovod.exceptions import MismatchError, StalledError
 
 
 class ProcessSet:

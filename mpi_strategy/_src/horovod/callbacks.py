@@ -25,7 +25,7 @@ from mpi_strategy._src.horovod.keras import (
     keras_package,
     optimizer_variables,
 )
-from mpi_strategy._src.horovod.ops import Average
+from mpi_strategy._src.horovod.mpi_ops import Average
 
 _made: dict[tuple[type, str], type] = {}
 

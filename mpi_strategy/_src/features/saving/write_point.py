@@ -40,14 +40,15 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from mpi_strategy._src.core import filesystems, rendezvous as rendezvous_lib
+from mpi_strategy._src.core import filesystems, kinds
+from mpi_strategy._src.core.agreement import Agreement
 from mpi_strategy._src.core.errors import MPIStrategyError
+from mpi_strategy._src.core.kinds import Kind
 from mpi_strategy._src.core.protocol import Field
-from mpi_strategy._src.core.rendezvous import Kind, Rendezvous
-from mpi_strategy._src.distribute.ops import OrderedComm
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.distribute.strategy import MPIStrategy, newest_over_the_world
 
-WRITE = rendezvous_lib.register_kind(
+WRITE = kinds.register_kind(
     Kind(
         5,
         "a save",
@@ -63,7 +64,7 @@ WRITE = rendezvous_lib.register_kind(
         ),
     )
 )
-WRITE_DONE = rendezvous_lib.register_kind(
+WRITE_DONE = kinds.register_kind(
     Kind(
         6,
         "the end of a save",
@@ -166,7 +167,7 @@ def ordered_comm_of(strategy: tf.distribute.Strategy | None) -> OrderedComm | No
     if not isinstance(strategy, MPIStrategy):
         return None
     ordered = strategy.extended.ordered_comm
-    if ordered.size == 1 or not ordered.rendezvous.usable:
+    if ordered.size == 1 or not ordered.agreement.usable:
         return None
     return ordered
 
@@ -197,13 +198,13 @@ def write_point(ordered: OrderedComm, path: str | os.PathLike[str], what: str) -
     job) meets the other ranks after the block too, and is raised everywhere.
     """
     path = os.fspath(path)
-    rendezvous = ordered.rendezvous
-    everyone = rendezvous.agree(WRITE, np.uint8, [], tag=what, nbytes=zlib.crc32(path.encode()))
+    agreement = ordered.agreement
+    everyone = agreement.agree(WRITE, np.uint8, [], tag=what, nbytes=zlib.crc32(path.encode()))
     if everyone is None:
         # Made on some ranks only: they write, as the program asked; if several
         # made this very call, the lowest of them writes (they would race).
-        solo_role = WRITES_ALONE if rendezvous.solo_with[0] == ordered.rank else IN_MEMORY
-        with _in_role(solo_role, rendezvous, alone=True):
+        solo_role = WRITES_ALONE if agreement.solo_with[0] == ordered.rank else IN_MEMORY
+        with _in_role(solo_role, agreement, alone=True):
             yield
         return
     paths = everyone[:, Field.BYTES]
@@ -212,12 +213,12 @@ def write_point(ordered: OrderedComm, path: str | os.PathLike[str], what: str) -
     else:  # each rank named its own path (e.g. per-worker temporary directories)
         writes = int(np.flatnonzero(paths == paths[ordered.rank])[0]) == ordered.rank
     try:
-        with _in_role(WRITES if writes else IN_MEMORY, rendezvous):
+        with _in_role(WRITES if writes else IN_MEMORY, agreement):
             yield
     except Exception as exc:
         # Every rank meets again, except one whose error came from meeting
         # there a rank that failed earlier in the save.
-        if WRITE_DONE not in rendezvous.disagreed:
+        if WRITE_DONE not in agreement.disagreed:
             _meet_after(ordered, what, path, f"{type(exc).__name__}: {exc}")
         raise
     _meet_after(ordered, what, path, "")
@@ -230,14 +231,14 @@ def _topology(ordered: OrderedComm) -> filesystems.Topology:
 
 
 @contextlib.contextmanager
-def _in_role(current: str, rendezvous: Rendezvous, alone: bool = False) -> Iterator[None]:
+def _in_role(current: str, agreement: Agreement, alone: bool = False) -> Iterator[None]:
     _local.role, _local.alone = current, alone
-    rendezvous.solo = WRITE if alone else None
+    agreement.solo = WRITE if alone else None
     try:
         yield
     finally:
         _local.role, _local.alone = None, False
-        rendezvous.solo = None
+        agreement.solo = None
 
 
 def memory_path(path: str | os.PathLike[str]) -> str:
@@ -259,7 +260,7 @@ def remove_memory_path(path: str) -> None:
 def _meet_after(ordered: OrderedComm, what: str, path: str, failure: str) -> None:
     """Every rank waits for every other; a failure anywhere raises everywhere."""
     failure = failure[:_ERROR_CHARS]
-    everyone = ordered.rendezvous.agree(WRITE_DONE, np.uint8, [], nbytes=len(failure))
+    everyone = ordered.agreement.agree(WRITE_DONE, np.uint8, [], nbytes=len(failure))
     assert everyone is not None  # (not a partial kind)
     if not everyone[:, Field.BYTES].any():
         return

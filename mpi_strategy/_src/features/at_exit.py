@@ -14,7 +14,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpi_strategy._src.core import failure, rendezvous as rendezvous_lib
+from mpi_strategy._src.core import failure, kinds
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
 from mpi_strategy._src.distribute.strategy import newest_over_the_world
 
@@ -30,14 +30,14 @@ def agree_on_the_end() -> None:
     ordered = strategy.extended.ordered_comm
     if (
         ordered.size == 1
-        or not ordered.rendezvous.usable
+        or not ordered.agreement.usable
         or ordered.failed
         or MPI.Is_finalized()
         or failure.aborting()
     ):
         return
     try:
-        ordered.collectives.guarded(ordered.rendezvous.agree)(rendezvous_lib.FINALIZE, np.uint8, [])
+        ordered.collectives.guarded(ordered.agreement.agree)(kinds.FINALIZE, np.uint8, [])
     except RanksLostError:
         return  # a rank died at the very end (ULFM): elastic training ends without it
     except MPIStrategyError as exc:

@@ -75,15 +75,15 @@ _notices: dict[str, Any] = {"posted": 0, "live": weakref.WeakSet()}
 def post_notice(signum: int) -> None:
     """This rank received a preemption notice (signal ``signum``): every
     later agreement of every communicator carries it to the other ranks, who
-    learn it from the same collective (``Rendezvous.noticed``). The first
+    learn it from the same collective (``Agreement.noticed``). The first
     notice stays. Safe in a signal handler (it sets integers)."""
     if not _notices["posted"]:
         _notices["posted"] = signum
-        for rendezvous in list(_notices["live"]):
-            rendezvous.notice = signum
+        for agreement in list(_notices["live"]):
+            agreement.notice = signum
 
 
-class Rendezvous:
+class Agreement:
     """Signature agreement (and, optionally, a timeout) for one communicator."""
 
     def __init__(
@@ -437,8 +437,3 @@ class Rendezvous:
             "The communicator cannot be used after this error; end the job and "
             "resume from the last checkpoint."
         )
-
-
-# Re-exported until /work/notes/rename.sh moves their importers (rename.sh deletes these lines).
-from mpi_strategy._src.core.kinds import *  # noqa: E402, F403  # rename.sh: re-export
-from mpi_strategy._src.core.protocol import layout  # noqa: E402, F401  # rename.sh: re-export

@@ -28,7 +28,7 @@ def end_without_finalize(living: Callable[[], MPI.Intracomm]) -> None:
 
 
 def end_if_elastic(this_handler: Callable[..., Any]) -> None:
-    """At exit, after the ranks' last meeting (``features/ending.py``): if an
+    """At exit, after the ranks' last meeting (``features/at_exit.py``): if an
     elastic run asked for it, meets the living ranks and exits with status 0
     once the exit handlers registered before ``this_handler`` (the caller,
     unregistered first) have run. A replacement of a lost rank exits as usual:
