@@ -1,4 +1,5 @@
-"""distribute/ordered_comm.py and engines.py: ordered MPI collectives as TF ops, at any world size."""
+"""distribute/ordered_comm.py and engines.py: ordered MPI collectives as TF ops,
+at any world size."""
 
 import re
 import time

@@ -92,3 +92,32 @@ def test_install_replaces_each_listed_call_once_and_uninstall_puts_every_origina
     finally:
         effects.install()
     assert effects.installed() == installed
+
+
+def _importlinter_layers() -> list[set[str]]:
+    """The layers of .importlinter's first contract, top first (a set per level)."""
+    with open(os.path.join(REPO, ".importlinter")) as f:
+        text = f.read()
+    block = text.split("[importlinter:contract:layers]", 1)[1].split("layers =", 1)[1]
+    levels = []
+    for line in block.splitlines()[1:]:
+        if not line.startswith((" ", "\t")) or not line.strip():
+            break
+        levels.append({name.strip() for name in line.split("|")})
+    return levels
+
+
+def test_the_docs_list_the_layers_in_the_order_of_importlinter():
+    """The layer order is written once (.importlinter); docs/concepts.md's
+    "Layers" table lists the folders top to bottom and must follow it."""
+    with open(os.path.join(REPO, "docs", "concepts.md")) as f:
+        section = f.read().split("## Layers\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "`_src/" in line]
+    listed = [
+        name for row in rows for name in re.findall(r"`_src/(\w+)(?:\.py|/)`", row.split(" | ")[1])
+    ]
+    levels = _importlinter_layers()
+    expected = [name for level in levels for name in sorted(level)]
+    assert sorted(listed) == sorted(expected), (listed, expected)
+    position = {name: i for i, level in enumerate(levels) for name in level}
+    assert [position[name] for name in listed] == sorted(position[name] for name in listed), listed

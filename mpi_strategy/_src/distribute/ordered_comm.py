@@ -15,7 +15,7 @@ Inside each op, the ranks first agree on what the collective is
 optional timeout names the ranks that never arrived. These errors are raised
 in the op (on the kernels' error path, in Python too), so inside
 ``tf.function`` TensorFlow hands them to the caller as ``tf.errors`` classes
-(``errors.py`` says which). Data
+(``tf_errors.py`` says which). Data
 crosses MPI as raw buffers, never as pickles.
 """
 
