@@ -5,7 +5,7 @@
 handler, the excepthook and one exit handler. It runs when ``mpi_strategy``
 is imported and whenever an MPIStrategy is built or its scope entered (Keras
 imported meanwhile is then adapted), and is idempotent by one mechanism: each
-replaced attribute is recorded in ``_ORIGINALS`` with what it replaced, and is
+replaced attribute is recorded in ``Installed.originals`` with what it replaced, and is
 never replaced twice. ``uninstall()`` (for tests) puts every original back.
 
 Every effect is scoped to this library's work: a wrapper does what the
@@ -23,13 +23,14 @@ import functools
 import importlib
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 from mpi_strategy._src import _keras_internal, _tf_internal
 from mpi_strategy._src.core import failure, logs, timeline
 from mpi_strategy._src.core.logs import logger
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.distribute import strategy as strategy_lib
 from mpi_strategy._src.features import at_exit, keras_wrappers, preemption
 from mpi_strategy._src.features.elastic import ulfm_exit
@@ -112,25 +113,36 @@ _PREEMPTION_WRAPPERS = dict(
     )
 )
 
-# The one record of what is installed: (owner, attribute name) -> the original.
-_ORIGINALS: dict[tuple[Any, str], Any] = {}
 _EXCEPTHOOK = (sys, "excepthook")
 _AT_EXIT = (atexit, "mpi_strategy at exit")  # (a record only: atexit is not patched)
 
 
-# What the last install saw: (failure armed, Keras packages imported, how
-# many effects were installed). TensorFlow enters a strategy's scope (and so
-# calls ``install``) on every read of a distributed variable: when nothing
-# changed since, install returns at once.
-_installed_for: tuple[Any, ...] | None = None
+@dataclass
+class Installed:
+    """What this process has installed (``PROCESS.of``)."""
+
+    # The one record of what is installed: (owner, attribute name) -> the original.
+    originals: dict[tuple[Any, str], Any] = field(default_factory=dict)
+    # What the last install saw: (failure armed, Keras packages imported, how
+    # many effects were installed). TensorFlow enters a strategy's scope (and so
+    # calls ``install``) on every read of a distributed variable: when nothing
+    # changed since, install returns at once.
+    seen: tuple[Any, ...] | None = None
+
+
+def _installed() -> Installed:
+    return PROCESS.of(Installed)
 
 
 def install() -> None:
     """Installs every process-wide effect that this process can have now
     (idempotent; see the module)."""
-    global _installed_for
-    seen = (failure.armed(), *(p in sys.modules for p in _keras_internal.SITES), len(_ORIGINALS))
-    if seen == _installed_for:
+    seen = (
+        failure.armed(),
+        *(p in sys.modules for p in _keras_internal.SITES),
+        len(_installed().originals),
+    )
+    if seen == _installed().seen:
         return
     logs.configure()
     _once(_AT_EXIT, lambda _: atexit.register(_at_exit))
@@ -152,29 +164,30 @@ def install() -> None:
             _adapt_keras(package, site)
     if failure.armed():
         _once(_EXCEPTHOOK, _excepthook_over)
-    _installed_for = (
+    _installed().seen = (
         failure.armed(),
         *(p in sys.modules for p in _keras_internal.SITES),
-        len(_ORIGINALS),
+        len(_installed().originals),
     )
 
 
 def uninstall() -> None:
     """Puts back everything ``install`` replaced (for tests; the log handler
     and the exit handler stay, inert)."""
-    global _installed_for
-    _installed_for = None
-    for (owner, name), original in reversed(list(_ORIGINALS.items())):
+    _installed().seen = None
+    for (owner, name), original in reversed(list(_installed().originals.items())):
         if (owner, name) != _AT_EXIT:
             setattr(owner, name, original)
-    _ORIGINALS.clear()
-    _ORIGINALS[_AT_EXIT] = None  # registered with atexit for good
+    _installed().originals.clear()
+    _installed().originals[_AT_EXIT] = None  # registered with atexit for good
 
 
 def installed() -> list[str]:
     """What is replaced now, as "package.module.name" or "package.module.Class.name"."""
     return [
-        f"{_qualified(owner)}.{name}" for owner, name in _ORIGINALS if (owner, name) != _AT_EXIT
+        f"{_qualified(owner)}.{name}"
+        for owner, name in _installed().originals
+        if (owner, name) != _AT_EXIT
     ]
 
 
@@ -234,11 +247,11 @@ def _replace(where: str, name: str, wrap: Callable[[Any], Any]) -> None:
 
 
 def _once(key: tuple[Any, str], wrap: Callable[[Any], Any]) -> None:
-    if key in _ORIGINALS:
+    if key in _installed().originals:
         return
     owner, name = key
     original = getattr(owner, name, None)
-    _ORIGINALS[key] = original
+    _installed().originals[key] = original
     if key != _AT_EXIT:
         setattr(owner, name, wrap(original))
     else:

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from mpi_strategy._src.core import agreement as agreement_lib
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.core.protocol import State
 from mpi_testing import RANK, SIZE, assert_same_on_all_ranks, on_python_engine, ordered_comm
 
@@ -22,16 +23,16 @@ def ordered(request):
     """A new OrderedComm on one engine, agreeing one way; no notice posted
     on this rank before, none left in any communicator after."""
     engine, way = request.param
-    posted = agreement_lib._notices["posted"]
-    agreement_lib._notices["posted"] = 0
+    posted = PROCESS.notice
+    PROCESS.notice = 0
     ordered = ordered_comm(hashed=way == "hashed")
     if engine == "python":
         on_python_engine(ordered)
     elif "native" not in ordered.engines and SIZE > 1:
         pytest.skip("the native kernels are not in use (MPI_STRATEGY_KERNELS)")
     yield ordered
-    agreement_lib._notices["posted"] = posted
-    for live in agreement_lib._notices["live"]:  # (every rank alike: no notice left)
+    PROCESS.notice = posted
+    for live in PROCESS.agreements:  # (every rank alike: no notice left)
         live.state[[State.NOTICE, State.NOTICED, State.NOTICED_AT]] = 0
 
 

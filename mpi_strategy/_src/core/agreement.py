@@ -36,7 +36,6 @@ of the errors are ``kinds.py``'s.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,6 +53,7 @@ from mpi_strategy._src.core.kinds import (
     kind_of,
     shapes_text,
 )
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.core.protocol import (
     MUST_AGREE,
     SIGNATURE_BYTES,
@@ -68,18 +68,15 @@ from mpi_strategy._src.core.protocol import (
 
 ErrorClass = Callable[[str], Exception]
 
-# This process's preemption notice (0: none), and the agreements that carry it.
-_notices: dict[str, Any] = {"posted": 0, "live": weakref.WeakSet()}
-
 
 def post_notice(signum: int) -> None:
     """This rank received a preemption notice (signal ``signum``): every
     later agreement of every communicator carries it to the other ranks, who
     learn it from the same collective (``Agreement.noticed``). The first
     notice stays. Safe in a signal handler (it sets integers)."""
-    if not _notices["posted"]:
-        _notices["posted"] = signum
-        for agreement in list(_notices["live"]):
+    if not PROCESS.notice:
+        PROCESS.notice = signum
+        for agreement in list(PROCESS.agreements):
             agreement.notice = signum
 
 
@@ -105,8 +102,8 @@ class Agreement:
         # meeting this rank is in live in ``state``, which compiled kernels
         # share (``State``).
         self.state = np.zeros(len(State), np.int64)
-        self.state[State.NOTICE] = _notices["posted"]
-        _notices["live"].add(self)
+        self.state[State.NOTICE] = PROCESS.notice
+        PROCESS.agreements.add(self)
         self.state[State.RECORD_BYTES] = record_bytes(self._size)
         self.state[State.CARRY_BYTES] = self.carry_bytes
         self.state[State.RANK], self.state[State.SIZE] = self._rank, self._size

@@ -14,7 +14,6 @@ the communicator and returns the same values on every rank.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 import weakref
@@ -28,6 +27,7 @@ from mpi_strategy._src.core import agreement as agreement_lib, buffers, kinds, p
 from mpi_strategy._src.core.agreement import ErrorClass
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
 from mpi_strategy._src.core.kinds import ALLTOALLV, BARRIER, REDUCESCATTER
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.core.protocol import Field, Shape, State
 from mpi_strategy._src.core.timeline import Timeline
 from mpi_strategy._src.core.wire import as_bytes, concat_bytes, split_gathered
@@ -41,7 +41,6 @@ REDUCTIONS: dict[str, tuple[kinds.Kind, MPI.Op, np.ufunc]] = {
     "max": (kinds.ALLREDUCE_MAX, MPI.MAX, np.maximum),
     "product": (kinds.ALLREDUCE_PRODUCT, MPI.PROD, np.multiply),
 }
-_numbers = itertools.count()  # names each communicator in the timeline
 
 
 class ArrayCollectives:
@@ -74,7 +73,7 @@ class ArrayCollectives:
             comm, name_missing_ranks, mismatch_error, timeout_error
         )
         self.agreement.state[State.DATA_COMM] = protocol.as_int64(self.comm.handle)
-        self.number = next(_numbers)
+        self.number = next(PROCESS.communicator_numbers)  # its name in the timeline
         self.failed = False  # a rank died (see RanksLostError)
         self._retired: Callable[[], Exception] | None = None
         self._mismatch_error = mismatch_error

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -36,6 +37,7 @@ from mpi4py import MPI
 from mpi_strategy._src.core import failure, logs, ulfm
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
 from mpi_strategy._src.core.logs import logger
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.features.elastic import recovery, ulfm_exit
 from mpi_strategy._src.horovod import basics
@@ -460,7 +462,13 @@ def _retire(ordered: OrderedComm) -> None:
 
 
 # -- the start and the end of an elastic program -------------------------------------
-_started = {"warned": False}
+
+
+@dataclass
+class HorovodElasticState:
+    """The warning about elastic runs without ULFM was given (``PROCESS.of``)."""
+
+    warned: bool = False
 
 
 def _start() -> None:
@@ -469,8 +477,8 @@ def _start() -> None:
     says once that a lost rank ends the job."""
     if ulfm.ulfm_launch():
         ulfm_exit.end_without_finalize(_living)
-    elif basics.size() > 1 and not _started["warned"]:
-        _started["warned"] = True
+    elif basics.size() > 1 and not PROCESS.of(HorovodElasticState).warned:
+        PROCESS.of(HorovodElasticState).warned = True
         logger.warning(
             "mpi_strategy.horovod.elastic: this launch has no User-Level Failure "
             "Mitigation: a lost rank ends the job. For elastic training, launch with "

@@ -17,12 +17,12 @@ chooses the error classes of the Python engine.
 from __future__ import annotations
 
 import ctypes
-import functools
 import itertools
 import os
 import sys
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import mpi4py.MPI
@@ -33,18 +33,37 @@ from mpi4py import MPI
 from mpi_strategy._src.core import kinds, protocol, ulfm
 from mpi_strategy._src.core.collectives import REDUCTIONS, ArrayCollectives
 from mpi_strategy._src.core.errors import MPIStrategyError
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.core.protocol import Event, Op, Shape, State, as_int64
 from mpi_strategy._src.native import build
 
 KERNELS_ENV = "MPI_STRATEGY_KERNELS"
 _UNKNOWN = 2  # TF_Code of an exception that is not a tf.errors class
 
-_COMMS: dict[int, weakref.ref[ArrayCollectives]] = {}
-_STATES: list[np.ndarray] = []  # kept: a traced function may outlive its communicator
-_SITES: dict[tuple[tuple[int, ...], ...], int] = {}
-_SHAPES: list[tuple[tuple[int, ...], ...]] = []
-_ERRORS: dict[int, BaseException] = {}  # the Python exception behind a kernel's error
-_ids = itertools.count(1)
+
+@dataclass
+class NativeState:
+    """The native engine's part of the process state (``PROCESS.of``)."""
+
+    # Each communicator by its engine id (``State.ENGINE``), for the error path.
+    comms: dict[int, weakref.ref[ArrayCollectives]] = field(default_factory=dict)
+    # Every communicator's shared state array, whose address a traced kernel
+    # holds as an attribute: kept as long as the process, since a traced
+    # function may outlive its communicator (its kernel then finds BLOCKED set).
+    states: list[np.ndarray] = field(default_factory=list)
+    # The shapes a kernel's agreement compares, interned: a kernel holds the index.
+    sites: dict[tuple[tuple[int, ...], ...], int] = field(default_factory=dict)
+    shapes: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)
+    # The Python exception behind each communicator's last kernel error.
+    errors: dict[int, BaseException] = field(default_factory=dict)
+    ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    # The loaded kernels (None: the Python engine), once ``kernels()`` chose.
+    kernels: Kernels | None = None
+    chosen: bool = False
+
+
+def _native() -> NativeState:
+    return PROCESS.of(NativeState)
 
 
 class Unavailable(RuntimeError):
@@ -107,9 +126,16 @@ def check_protocol(library: ctypes.CDLL, path: object) -> None:
         )
 
 
-@functools.cache
 def kernels() -> Kernels | None:
     """The native kernels when they are in use (built at the first call), else None."""
+    native = _native()
+    if not native.chosen:
+        native.kernels = _load()  # (an error leaves the choice to the next call)
+        native.chosen = True
+    return native.kernels
+
+
+def _load() -> Kernels | None:
     mode = os.environ.get(KERNELS_ENV, "auto").lower() or "auto"
     if mode not in ("native", "python", "auto"):
         raise MPIStrategyError(
@@ -145,11 +171,11 @@ class NativeComm:
 
     def __init__(self, kernels: Kernels, collectives: ArrayCollectives) -> None:
         self._ops = kernels.ops
-        self.id = next(_ids)
-        _COMMS[self.id] = weakref.ref(collectives)
+        self.id = next(_native().ids)
+        _native().comms[self.id] = weakref.ref(collectives)
         state = collectives.agreement.state
         state[State.ENGINE] = self.id
-        _STATES.append(state)
+        _native().states.append(state)
         weakref.finalize(collectives, state.__setitem__, State.BLOCKED, 1)
         self._state = state.ctypes.data
         self.size = collectives.size
@@ -260,15 +286,16 @@ class NativeComm:
 
     def take_error(self) -> BaseException | None:
         """The Python exception behind this communicator's last kernel error (once)."""
-        return _ERRORS.pop(self.id, None)
+        return _native().errors.pop(self.id, None)
 
 
 def _site_id(shapes: Sequence[Shape]) -> int:
     key = tuple(tuple(int(d) for d in shape) for shape in shapes)
-    if key not in _SITES:
-        _SITES[key] = len(_SHAPES)
-        _SHAPES.append(key)
-    return _SITES[key]
+    native = _native()
+    if key not in native.sites:
+        native.sites[key] = len(native.shapes)
+        native.shapes.append(key)
+    return native.sites[key]
 
 
 def _resolve(
@@ -277,7 +304,7 @@ def _resolve(
     """A kernel's error path (kernels/agreement.cc ``AskPython``): 0 to go on, else a
     TF_Code, with the message written to ``message``."""
     try:
-        collectives = _COMMS[engine]()
+        collectives = _native().comms[engine]()
         if collectives is None:
             raise MPIStrategyError("mpi_strategy: a collective ran on a freed communicator.")
         if event == Event.BLOCKED:
@@ -292,10 +319,10 @@ def _resolve(
             records = np.ctypeslib.as_array(
                 (ctypes.c_uint8 * (size * width)).from_address(received)
             ).reshape(size, width)
-            collectives.agreement.settle_compiled(records, _SHAPES[site])
+            collectives.agreement.settle_compiled(records, _native().shapes[site])
         return 0
     except BaseException as error:  # noqa: BLE001 (every error becomes the kernel's)
-        _ERRORS[engine] = error
+        _native().errors[engine] = error
         text = f"{type(error).__name__}: {error}".encode()[: capacity - 1]
         ctypes.memmove(message, text, len(text))
         ctypes.memset(message + len(text), 0, 1)
