@@ -15,7 +15,7 @@ Rank 0 prints one JSON line per measurement:
   The fused reduction is also timed with ``compression="float16"`` (large
   tensors summed in 16 bits: half the bytes, plus the casts);
 - ``kind: "check"``: the agreement check that precedes every collective
-  (``rendezvous.Rendezvous.agree``: one small Allgather), for one scalar and
+  (``agreement.Agreement.agree``: one small Allgather), for one scalar and
   for the MLP's 6 gradient shapes.
 
 Times are the median of individually timed calls, the slowest rank's.
@@ -169,13 +169,14 @@ def measure_batch_reduce(strategy, strategy_float16, model, quick):
 
 def measure_check(quick):
     """The always-on agreement check before every collective, alone."""
-    from mpi_strategy._src.core.rendezvous import ALLREDUCE, Rendezvous
+    from mpi_strategy._src.core.agreement import Agreement
+    from mpi_strategy._src.core.kinds import ALLREDUCE
 
-    rendezvous = Rendezvous(COMM)
+    agreement = Agreement(COMM)
     shapes = [tuple(s) for s in models.gradient_shapes("mlp")]
     repeats = 200 if quick else 2000
-    t_one = timed(lambda: rendezvous.agree(ALLREDUCE, np.float32, [()]), repeats)
-    t_mlp = timed(lambda: rendezvous.agree(ALLREDUCE, np.float32, shapes), repeats)
+    t_one = timed(lambda: agreement.agree(ALLREDUCE, np.float32, [()]), repeats)
+    t_mlp = timed(lambda: agreement.agree(ALLREDUCE, np.float32, shapes), repeats)
     return {
         "kind": "check",
         "ranks": COMM.Get_size(),

@@ -234,7 +234,7 @@ def overhead():
     from mpi4py import MPI
 
     from mpi_strategy._src.core.protocol import record_bytes
-    from mpi_strategy._src.distribute.ops import OrderedComm
+    from mpi_strategy._src.distribute.ordered_comm import OrderedComm
     from mpi_strategy._src.native import engine
 
     tf.config.threading.set_intra_op_parallelism_threads(1)

@@ -7,10 +7,8 @@
 Launch with ``mpiexec -n N python train.py``. The public modules
 (``mpi_strategy``, ``.errors``, ``.compression``, ``.elastic``, ``.timeline``)
 are a thin face over ``mpi_strategy._src``, whose layers import only
-downward: ``core`` (framework-free MPI) <- the compat boundary
-(``_tf_internal``, ``_keras_internal``) <- ``distribute`` (the tf.distribute
-binding) <- ``features`` (saving, Keras, elastic) <- ``effects`` (the one
-installer of process-wide effects).
+downward (their order: ``.importlinter``; what each holds: docs/concepts.md,
+"Layers").
 """
 
 from mpi_strategy import compression, elastic, errors, timeline

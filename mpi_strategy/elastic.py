@@ -26,10 +26,13 @@ parts took.
 
 from mpi_strategy._src.core.errors import RanksLostError, TooFewRanksError
 from mpi_strategy._src.core.ulfm import is_replacement
-from mpi_strategy._src.features.elastic.recovery import recoveries
-from mpi_strategy._src.features.elastic.regrowth import replacements
+from mpi_strategy._src.features.elastic.recovery import record as _record
 from mpi_strategy._src.features.elastic.run import KerasCallback, run
 from mpi_strategy._src.features.elastic.state import State
+
+# This process's records (the same lists for its whole life).
+recoveries = _record().recoveries
+replacements = _record().replacements
 
 __all__ = [
     "State",

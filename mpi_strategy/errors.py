@@ -5,7 +5,7 @@ Which exception arrives where, in eager mode and inside ``tf.function``: see
 """
 
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError, TooFewRanksError
-from mpi_strategy._src.distribute.errors import CollectiveMismatchError, CollectiveTimeoutError
+from mpi_strategy._src.distribute.tf_errors import CollectiveMismatchError, CollectiveTimeoutError
 
 __all__ = [
     "MPIStrategyError",

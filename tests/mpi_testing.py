@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 import mpi_strategy
 from mpi_strategy._src.core import protocol
-from mpi_strategy._src.distribute.ops import OrderedComm
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 
 LOCAL_DEVICES = int(os.environ.get("MPI_STRATEGY_TEST_LOCAL_DEVICES", "1"))
 WORLD = MPI.COMM_WORLD
@@ -88,7 +88,7 @@ def ordered_comm(hashed=False):
         ordered = OrderedComm(WORLD)
     finally:
         protocol.HASHED_ABOVE = hashed_above
-    assert ordered.rendezvous.hashed == hashed
+    assert ordered.agreement.hashed == hashed
     return ordered
 
 

@@ -2,7 +2,7 @@
 
 Keras assembles ``predict`` outputs and builds its callback list from private
 module-level functions, and writes files from private functions and callback
-methods. ``features/keras.py`` wraps the first two for models whose strategy
+methods. ``features/keras_wrappers.py`` wraps the first two for models whose strategy
 is an MPIStrategy (``predict`` returns every row in input order on every
 rank; the progress bar shows on rank 0 only); ``features/saving`` makes the
 writers in ``SITES[...].write_calls`` write points. tf_keras's own redirection
@@ -20,11 +20,13 @@ prints progress. Checked on Keras 3.15 and tf_keras 2.16 / 2.21.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from mpi_strategy._src._tf_internal import Instead, WriteCall
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.logs import logger
+from mpi_strategy._src.core.process import PROCESS
 
 
 class Site(NamedTuple):
@@ -225,7 +227,13 @@ BATCH_NORM_MOMENTS = OverriddenMethod(
     (3, 15),
 )
 OVERRIDDEN_METHODS = (BATCH_NORM_MOMENTS,)
-_newer_than_checked: set[OverriddenMethod] = set()
+
+
+@dataclass
+class KerasWarnings:
+    """The overridden methods whose newer Keras was warned about (``PROCESS.of``)."""
+
+    newer_than_checked: set[OverriddenMethod] = field(default_factory=set)
 
 
 def check_overridden(method: OverriddenMethod) -> None:
@@ -254,8 +262,9 @@ def check_overridden(method: OverriddenMethod) -> None:
         )
     package = importlib.import_module(module_name.partition(".")[0])
     version = tuple(int(p) for p in str(package.__version__).split(".")[:2] if p.isdigit())
-    if version > method.checked and method not in _newer_than_checked:
-        _newer_than_checked.add(method)
+    warned = PROCESS.of(KerasWarnings).newer_than_checked
+    if version > method.checked and method not in warned:
+        warned.add(method)
         logger.warning(
             "mpi_strategy overrides %s, checked up to Keras %d.%d; found %s.",
             where,

@@ -5,7 +5,7 @@
 handler, the excepthook and one exit handler. It runs when ``mpi_strategy``
 is imported and whenever an MPIStrategy is built or its scope entered (Keras
 imported meanwhile is then adapted), and is idempotent by one mechanism: each
-replaced attribute is recorded in ``_ORIGINALS`` with what it replaced, and is
+replaced attribute is recorded in ``Installed.originals`` with what it replaced, and is
 never replaced twice. ``uninstall()`` (for tests) puts every original back.
 
 Every effect is scoped to this library's work: a wrapper does what the
@@ -23,16 +23,17 @@ import functools
 import importlib
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 from mpi_strategy._src import _keras_internal, _tf_internal
 from mpi_strategy._src.core import failure, logs, timeline
 from mpi_strategy._src.core.logs import logger
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.distribute import strategy as strategy_lib
-from mpi_strategy._src.features import ending, keras as keras_lib, preemption
-from mpi_strategy._src.features.elastic import ending as elastic_ending
+from mpi_strategy._src.features import at_exit, keras_wrappers, preemption
+from mpi_strategy._src.features.elastic import ulfm_exit
 from mpi_strategy._src.features.saving import calls
 
 
@@ -112,25 +113,36 @@ _PREEMPTION_WRAPPERS = dict(
     )
 )
 
-# The one record of what is installed: (owner, attribute name) -> the original.
-_ORIGINALS: dict[tuple[Any, str], Any] = {}
 _EXCEPTHOOK = (sys, "excepthook")
 _AT_EXIT = (atexit, "mpi_strategy at exit")  # (a record only: atexit is not patched)
 
 
-# What the last install saw: (failure armed, Keras packages imported, how
-# many effects were installed). TensorFlow enters a strategy's scope (and so
-# calls ``install``) on every read of a distributed variable: when nothing
-# changed since, install returns at once.
-_installed_for: tuple[Any, ...] | None = None
+@dataclass
+class Installed:
+    """What this process has installed (``PROCESS.of``)."""
+
+    # The one record of what is installed: (owner, attribute name) -> the original.
+    originals: dict[tuple[Any, str], Any] = field(default_factory=dict)
+    # What the last install saw: (failure armed, Keras packages imported, how
+    # many effects were installed). TensorFlow enters a strategy's scope (and so
+    # calls ``install``) on every read of a distributed variable: when nothing
+    # changed since, install returns at once.
+    seen: tuple[Any, ...] | None = None
+
+
+def _installed() -> Installed:
+    return PROCESS.of(Installed)
 
 
 def install() -> None:
     """Installs every process-wide effect that this process can have now
     (idempotent; see the module)."""
-    global _installed_for
-    seen = (failure.armed(), *(p in sys.modules for p in _keras_internal.SITES), len(_ORIGINALS))
-    if seen == _installed_for:
+    seen = (
+        failure.armed(),
+        *(p in sys.modules for p in _keras_internal.SITES),
+        len(_installed().originals),
+    )
+    if seen == _installed().seen:
         return
     logs.configure()
     _once(_AT_EXIT, lambda _: atexit.register(_at_exit))
@@ -152,29 +164,30 @@ def install() -> None:
             _adapt_keras(package, site)
     if failure.armed():
         _once(_EXCEPTHOOK, _excepthook_over)
-    _installed_for = (
+    _installed().seen = (
         failure.armed(),
         *(p in sys.modules for p in _keras_internal.SITES),
-        len(_ORIGINALS),
+        len(_installed().originals),
     )
 
 
 def uninstall() -> None:
     """Puts back everything ``install`` replaced (for tests; the log handler
     and the exit handler stay, inert)."""
-    global _installed_for
-    _installed_for = None
-    for (owner, name), original in reversed(list(_ORIGINALS.items())):
+    _installed().seen = None
+    for (owner, name), original in reversed(list(_installed().originals.items())):
         if (owner, name) != _AT_EXIT:
             setattr(owner, name, original)
-    _ORIGINALS.clear()
-    _ORIGINALS[_AT_EXIT] = None  # registered with atexit for good
+    _installed().originals.clear()
+    _installed().originals[_AT_EXIT] = None  # registered with atexit for good
 
 
 def installed() -> list[str]:
     """What is replaced now, as "package.module.name" or "package.module.Class.name"."""
     return [
-        f"{_qualified(owner)}.{name}" for owner, name in _ORIGINALS if (owner, name) != _AT_EXIT
+        f"{_qualified(owner)}.{name}"
+        for owner, name in _installed().originals
+        if (owner, name) != _AT_EXIT
     ]
 
 
@@ -186,12 +199,12 @@ def _qualified(owner: Any) -> str:
 
 def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
     try:
-        _replace(site.trainer, "reduce_per_replica", keras_lib.reduce_per_replica_wrapper)
+        _replace(site.trainer, "reduce_per_replica", keras_wrappers.reduce_per_replica_wrapper)
         backup = importlib.import_module(site.callbacks).BackupAndRestore
         _replace(
             f"{site.callback_list}:CallbackList",
             "__init__",
-            functools.partial(keras_lib.callback_list_init_wrapper, backup_class=backup),
+            functools.partial(keras_wrappers.callback_list_init_wrapper, backup_class=backup),
         )
         for call in site.write_calls:
             _replace(
@@ -202,12 +215,12 @@ def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
                 _replace(
                     _keras_internal.TF_KERAS_FILE_UTILS,
                     name,
-                    functools.partial(keras_lib.file_util_wrapper, name=name),
+                    functools.partial(keras_wrappers.file_util_wrapper, name=name),
                 )
             _replace(
                 f"{_keras_internal.TF_KERAS_TRAINING_STATE}:WorkerTrainingState",
                 "__init__",
-                keras_lib.training_state_init_wrapper,
+                keras_wrappers.training_state_init_wrapper,
             )
     except (ImportError, AttributeError) as exc:  # pragma: no cover - another Keras
         logger.warning(
@@ -234,11 +247,11 @@ def _replace(where: str, name: str, wrap: Callable[[Any], Any]) -> None:
 
 
 def _once(key: tuple[Any, str], wrap: Callable[[Any], Any]) -> None:
-    if key in _ORIGINALS:
+    if key in _installed().originals:
         return
     owner, name = key
     original = getattr(owner, name, None)
-    _ORIGINALS[key] = original
+    _installed().originals[key] = original
     if key != _AT_EXIT:
         setattr(owner, name, wrap(original))
     else:
@@ -260,8 +273,8 @@ def _at_exit() -> None:
     """The library's end of the program, in order: timeline files closed, the
     ranks' last meeting, and an elastic job's end under ULFM (which exits)."""
     timeline.close_all()
-    ending.agree_on_the_end()
-    elastic_ending.end_if_elastic(_at_exit)
+    at_exit.agree_on_the_end()
+    ulfm_exit.end_if_elastic(_at_exit)
 
 
 strategy_lib.on_scope(install)

@@ -1,4 +1,4 @@
-"""The agreement (core/rendezvous.py, core/protocol.py) carries a rank's
+"""The agreement (core/agreement.py, core/protocol.py) carries a rank's
 preemption notice to every rank: all ranks learn it from the same collective,
 on both engines and both ways of agreeing, without an MPI call of its own."""
 
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_strategy._src.core import rendezvous as rendezvous_lib
+from mpi_strategy._src.core import agreement as agreement_lib
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.core.protocol import State
 from mpi_testing import RANK, SIZE, assert_same_on_all_ranks, on_python_engine, ordered_comm
 
@@ -22,16 +23,16 @@ def ordered(request):
     """A new OrderedComm on one engine, agreeing one way; no notice posted
     on this rank before, none left in any communicator after."""
     engine, way = request.param
-    posted = rendezvous_lib._notices["posted"]
-    rendezvous_lib._notices["posted"] = 0
+    posted = PROCESS.notice
+    PROCESS.notice = 0
     ordered = ordered_comm(hashed=way == "hashed")
     if engine == "python":
         on_python_engine(ordered)
     elif "native" not in ordered.engines and SIZE > 1:
         pytest.skip("the native kernels are not in use (MPI_STRATEGY_KERNELS)")
     yield ordered
-    rendezvous_lib._notices["posted"] = posted
-    for live in rendezvous_lib._notices["live"]:  # (every rank alike: no notice left)
+    PROCESS.notice = posted
+    for live in PROCESS.agreements:  # (every rank alike: no notice left)
         live.state[[State.NOTICE, State.NOTICED, State.NOTICED_AT]] = 0
 
 
@@ -55,33 +56,33 @@ def test_a_notice_on_the_last_rank_reaches_every_rank_in_the_next_collective(
         if not in_function
         else tf.function(autograph=False)(lambda: run(ordered))
     )
-    rendezvous = ordered.rendezvous
+    agreement = ordered.agreement
     call()
-    assert rendezvous.noticed is None
+    assert agreement.noticed is None
     if RANK == SIZE - 1:
-        rendezvous_lib.post_notice(signal.SIGTERM)
-    assert rendezvous.noticed is None  # (learnt from a collective, not posted)
+        agreement_lib.post_notice(signal.SIGTERM)
+    assert agreement.noticed is None  # (learnt from a collective, not posted)
     call()
-    assert rendezvous.noticed == (signal.SIGTERM, rendezvous.seq)
-    assert_same_on_all_ranks(np.array(rendezvous.noticed), "the notice and its collective")
-    learnt_at = rendezvous.seq
+    assert agreement.noticed == (signal.SIGTERM, agreement.seq)
+    assert_same_on_all_ranks(np.array(agreement.noticed), "the notice and its collective")
+    learnt_at = agreement.seq
     if RANK == 0:  # a second notice, on another rank: the first one stays
-        rendezvous_lib.post_notice(signal.SIGUSR1)
+        agreement_lib.post_notice(signal.SIGUSR1)
     call()
-    assert rendezvous.noticed == (signal.SIGTERM, learnt_at)
+    assert agreement.noticed == (signal.SIGTERM, learnt_at)
 
 
 def test_a_communicator_made_after_the_notice_carries_it(ordered):
     if RANK == SIZE - 1:
-        rendezvous_lib.post_notice(signal.SIGUSR1)
+        agreement_lib.post_notice(signal.SIGUSR1)
     later = on_python_engine(ordered_comm())
     later.allreduce_sum(tf.constant(1.0))
-    assert later.rendezvous.noticed == (signal.SIGUSR1, later.rendezvous.seq)
-    assert_same_on_all_ranks(np.array(later.rendezvous.noticed), "the notice and its collective")
+    assert later.agreement.noticed == (signal.SIGUSR1, later.agreement.seq)
+    assert_same_on_all_ranks(np.array(later.agreement.noticed), "the notice and its collective")
 
 
 @pytest.mark.skipif(SIZE > 1, reason="alone, a rank learns its own notice at once")
 def test_alone_a_rank_learns_its_own_notice_at_once(ordered):
-    assert ordered.rendezvous.noticed is None
-    rendezvous_lib.post_notice(signal.SIGTERM)
-    assert ordered.rendezvous.noticed == (signal.SIGTERM, ordered.rendezvous.seq)
+    assert ordered.agreement.noticed is None
+    agreement_lib.post_notice(signal.SIGTERM)
+    assert ordered.agreement.noticed == (signal.SIGTERM, ordered.agreement.seq)

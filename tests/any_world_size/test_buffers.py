@@ -144,7 +144,7 @@ def test_tensorflow_results_are_not_overwritten_and_buffers_are_reused_in_steady
 
 @pytest.mark.skipif(SIZE == 1, reason="a 1-rank world does not call MPI")
 def test_allreduce_reuses_its_buffers_in_steady_state():
-    from mpi_strategy._src.distribute.ops import OrderedComm
+    from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 
     mpi = OrderedComm(WORLD)
     summed = tf.function(lambda x: mpi.allreduce_sum_packed([x, 2 * x]))

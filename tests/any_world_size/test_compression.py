@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from mpi_strategy import MPICrossDeviceOps, MPIStrategy, compression
-from mpi_strategy._src.distribute.ops import OrderedComm
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy.errors import MPIStrategyError
 from mpi_testing import (
     NUM_REPLICAS,

@@ -86,7 +86,7 @@ def test_one_call_per_bucket_last_layers_first_and_same_results():
 
 def _gradients_of_this_rank(rank):
     """Tensors whose sums depend on the order of summation (magnitudes 1e-4..1e4),
-    from a few bytes (carried in the rendezvous) to MBs (MPI's large-message path)."""
+    from a few bytes (carried in the agreement) to MBs (MPI's large-message path)."""
     rng = np.random.default_rng(1234 + rank)
     shapes = [(512, 1024), (1024,), (1024, 256), (256,), (256, 10), (10,)]
 
@@ -118,13 +118,13 @@ def test_bucketed_sums_are_bit_identical_to_one_fused_call_on_every_rank():
 
     ops = MPICrossDeviceOps(WORLD)
     grads = _gradients_of_this_rank(RANK)
-    seq = ops.ordered_comm.rendezvous.seq
+    seq = ops.ordered_comm.agreement.seq
     reference = [t.numpy() for t in ops.all_reduce_values("SUM", grads, bytes_per_pack=0)]
-    assert ops.ordered_comm.rendezvous.seq - seq == (2 if SIZE > 1 else 0)  # one per wire dtype
-    # 1: every tensor alone (incl. 40-byte ones, summed in the rendezvous);
+    assert ops.ordered_comm.agreement.seq - seq == (2 if SIZE > 1 else 0)  # one per wire dtype
+    # 1: every tensor alone (incl. 40-byte ones, summed in the agreement);
     # 64 KiB / 1 MiB: medium and MB-sized messages.
     for bytes_per_pack in (1, 64 << 10, 1 << 20):
-        seq = ops.ordered_comm.rendezvous.seq
+        seq = ops.ordered_comm.agreement.seq
         summed = ops.all_reduce_values("SUM", grads, bytes_per_pack=bytes_per_pack)
         expected_calls = sum(
             len(
@@ -139,7 +139,7 @@ def test_bucketed_sums_are_bit_identical_to_one_fused_call_on_every_rank():
             )
             for dtype in (tf.float32, tf.float64)
         )
-        assert ops.ordered_comm.rendezvous.seq - seq == (expected_calls if SIZE > 1 else 0)
+        assert ops.ordered_comm.agreement.seq - seq == (expected_calls if SIZE > 1 else 0)
         for i, (s, r) in enumerate(zip(summed, reference)):
             if _summation_order_may_depend_on_message_size():
                 np.testing.assert_allclose(
@@ -174,12 +174,12 @@ def test_bytes_per_pack_passed_per_call_is_honoured(strategy):
     ReplicaContext.all_reduce) set its buckets, as the strategy-level option does."""
     grads = [tf.ones([100]), tf.ones([200]), tf.ones([300])]
     options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=1)
-    rendezvous = strategy.extended._cross_device_ops.ordered_comm.rendezvous
+    agreement = strategy.extended._cross_device_ops.ordered_comm.agreement
 
     def calls(fn):
-        before = rendezvous.seq
+        before = agreement.seq
         fn()
-        return rendezvous.seq - before
+        return agreement.seq - before
 
     cross_replica = calls(
         lambda: strategy.extended.batch_reduce_to(

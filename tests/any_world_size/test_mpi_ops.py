@@ -1,4 +1,5 @@
-"""distribute/ops.py and engines.py: ordered MPI collectives as TF ops, at any world size."""
+"""distribute/ordered_comm.py and engines.py: ordered MPI collectives as TF ops,
+at any world size."""
 
 import re
 import time
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_strategy._src.core import rendezvous
-from mpi_strategy._src.distribute.ops import OrderedComm
+from mpi_strategy._src.core import agreement, kinds
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError
 from mpi_testing import RANK, SIZE, WORLD, assert_same_on_all_ranks, on_python_engine
 
@@ -92,7 +93,7 @@ def test_small_collectives_take_one_mpi_call_and_large_ones_two():
         pytest.skip("a 1-rank world does not call MPI")
     ordered = on_python_engine(OrderedComm(WORLD))  # (the kernels call MPI from C)
     counting = CountingComm(WORLD)
-    ordered.collectives.comm = ordered.rendezvous._comm = counting
+    ordered.collectives.comm = ordered.agreement._comm = counting
     ordered.allreduce_sum(tf.ones([3]))
     ordered.broadcast(tf.ones([2, 2]))
     ordered.allgather(tf.ones([RANK + 1, 2]))
@@ -384,7 +385,7 @@ def test_a_timeout_is_deadline_exceeded_in_eager_and_unknown_in_a_function(in_fu
             # Complete rank 0's pending signature exchange (not the data that
             # would follow), so that no request is left pending, while rank 0
             # waits in the barrier below, which progresses it.
-            rendezvous.Rendezvous(comm).agree(rendezvous.ALLREDUCE, np.float32, [(4,)], timeout=60)
+            agreement.Agreement(comm).agree(kinds.ALLREDUCE, np.float32, [(4,)], timeout=60)
         WORLD.Barrier()
         comm.Free()
 

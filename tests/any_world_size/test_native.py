@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_strategy._src.distribute.ops import OrderedComm
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.native import engine as native_engine
 from mpi_strategy.errors import CollectiveMismatchError
 from mpi_testing import (
@@ -248,7 +248,7 @@ def test_a_save_on_one_rank_meets_a_collective_on_the_others(engines, engine):
 
     ordered = engines[["native", "python"].index(engine)]
     if RANK == 0:
-        assert ordered.rendezvous.agree(WRITE, np.uint8, [], tag="alone") is None
-        assert ordered.rendezvous.solo_with == [0]
+        assert ordered.agreement.agree(WRITE, np.uint8, [], tag="alone") is None
+        assert ordered.agreement.solo_with == [0]
     np.testing.assert_array_equal(ordered.allreduce_sum(tf.ones([3])), [SIZE] * 3)
     np.testing.assert_array_equal(ordered.allgather(tf.fill([1], RANK)), np.arange(SIZE))

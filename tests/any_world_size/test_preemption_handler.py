@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_strategy._src.core import rendezvous as rendezvous_lib
+from mpi_strategy._src.core.process import PROCESS
 from mpi_testing import RANK, SIZE, WORLD, assert_same_on_all_ranks, mpi_strategy_under_test
 
 NOTICE_STEP = 3
@@ -30,12 +30,12 @@ def fresh_notice():
     """No notice posted before; afterwards, none posted and TensorFlow's
     SIGTERM handler gone."""
     previous = signal.getsignal(signal.SIGTERM)
-    rendezvous_lib._notices["posted"] = 0
+    PROCESS.notice = 0
     yield
     signal.signal(signal.SIGTERM, previous)
-    rendezvous_lib._notices["posted"] = 0
-    for rendezvous in list(rendezvous_lib._notices["live"]):
-        rendezvous.notice = 0
+    PROCESS.notice = 0
+    for agreement in list(PROCESS.agreements):
+        agreement.notice = 0
 
 
 def _train_until_exit(directory, grace_period):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_strategy._src.core.rendezvous import Rendezvous
+from mpi_strategy._src.core.agreement import Agreement
 from mpi_strategy._src.features.saving import write_point
 from mpi_testing import RANK, SIZE, WORLD
 
@@ -51,7 +51,7 @@ def meetings(monkeypatch):
             f"an MPI meeting ({kind.name}) in a save that is not mpi_strategy's work"
         )
 
-    monkeypatch.setattr(Rendezvous, "agree", agree)
+    monkeypatch.setattr(Agreement, "agree", agree)
     return met
 
 

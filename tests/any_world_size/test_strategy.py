@@ -278,10 +278,10 @@ def test_sparse_and_a_few_kb_of_dense_values_reduce_in_one_collective(strategy, 
         reduced = s.extended.batch_reduce_to("SUM", [(t, "/device:CPU:0") for t in per_replica])
         return [tf.convert_to_tensor(t) for t in reduced]
 
-    rendezvous = strategy.extended._cross_device_ops.ordered_comm.rendezvous
-    before = rendezvous.seq
+    agreement = strategy.extended._cross_device_ops.ordered_comm.agreement
+    before = agreement.seq
     got = in_mode(lambda: reduce_with(strategy), mode)()
-    collectives = rendezvous.seq - before
+    collectives = agreement.seq - before
     want = in_mode(lambda: reduce_with(mirrored), mode)()
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6)

@@ -11,8 +11,8 @@ import tensorflow as tf
 
 from mpi_strategy import timeline
 from mpi_strategy._src.core import timeline as timeline_lib
-from mpi_strategy._src.core.collectives import Collectives
-from mpi_strategy._src.distribute.ops import OrderedComm
+from mpi_strategy._src.core.collectives import ArrayCollectives
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_testing import RANK, SIZE, WORLD
 
 pytestmark = pytest.mark.device_agnostic  # the timeline files, no strategy's devices
@@ -69,7 +69,7 @@ def test_off_by_default_the_collectives_are_not_wrapped(monkeypatch):
     def timed(*args):
         raise AssertionError("a collective was wrapped for the timeline while it is off")
 
-    monkeypatch.setattr(Collectives, "timed", timed)
+    monkeypatch.setattr(ArrayCollectives, "timed", timed)
     mpi = OrderedComm(WORLD)
     out = tf.function(lambda: _collectives(mpi))()
     np.testing.assert_array_equal(out[0].numpy(), np.full([1000], SIZE))

@@ -92,3 +92,91 @@ def test_install_replaces_each_listed_call_once_and_uninstall_puts_every_origina
     finally:
         effects.install()
     assert effects.installed() == installed
+
+
+def _importlinter_layers() -> list[set[str]]:
+    """The layers of .importlinter's first contract, top first (a set per level)."""
+    with open(os.path.join(REPO, ".importlinter")) as f:
+        text = f.read()
+    block = text.split("[importlinter:contract:layers]", 1)[1].split("layers =", 1)[1]
+    levels = []
+    for line in block.splitlines()[1:]:
+        if not line.startswith((" ", "\t")) or not line.strip():
+            break
+        levels.append({name.strip() for name in line.split("|")})
+    return levels
+
+
+def test_the_docs_list_the_layers_in_the_order_of_importlinter():
+    """The layer order is written once (.importlinter); docs/concepts.md's
+    "Layers" table lists the folders top to bottom and must follow it."""
+    with open(os.path.join(REPO, "docs", "concepts.md")) as f:
+        section = f.read().split("## Layers\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "`_src/" in line]
+    listed = [
+        name for row in rows for name in re.findall(r"`_src/(\w+)(?:\.py|/)`", row.split(" | ")[1])
+    ]
+    levels = _importlinter_layers()
+    expected = [name for level in levels for name in sorted(level)]
+    assert sorted(listed) == sorted(expected), (listed, expected)
+    position = {name: i for i, level in enumerate(levels) for name in level}
+    assert [position[name] for name in listed] == sorted(position[name] for name in listed), listed
+
+
+# Module-level names that hold something mutable but are not process state:
+# the registry of agreement kinds (filled at import, alike on every rank, then
+# only read), what each thread sees alone, Horovod's public global process set
+# (an object Horovod's API exports by identity), and the write points' names,
+# which the saving work in progress keeps for now.
+_NOT_PROCESS_STATE = {
+    "core/kinds.py": {"_BY_CODE"},
+    "features/saving/write_point.py": {"_local"},  # per thread: the save under way
+    "horovod/basics.py": {"global_process_set"},
+}
+_MUTABLE_CALLS = {"dict", "list", "set", "count", "WeakSet", "WeakKeyDictionary", "local"}
+
+
+def _module_state(path: str) -> list[str]:
+    """Module-level names that hold process state: bound to an empty
+    container (filled later), to a mutable container or counter under a name
+    that is not an ALL_CAPS constant, or rebound by a ``global`` statement."""
+    import ast
+
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    found = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        value = getattr(node, "value", None)
+        call = value.func if isinstance(value, ast.Call) else None
+        called = getattr(call, "attr", getattr(call, "id", None))
+        empty = (
+            (isinstance(value, ast.Dict) and not value.keys)
+            or (isinstance(value, (ast.List, ast.Set)) and not value.elts)
+            or (
+                isinstance(value, ast.Call) and called in {"dict", "list", "set"} and not value.args
+            )
+        )
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set)) or called in _MUTABLE_CALLS
+        for target in targets:
+            if not isinstance(target, ast.Name) or target.id == "__all__":
+                continue
+            if empty or (mutable and not target.id.isupper()):
+                found.add(target.id)
+    return sorted(found)
+
+
+def test_the_process_state_lives_in_one_object():
+    """core/process.py's PROCESS holds every per-process state; a module that
+    keeps its own (a ``_state`` dict, a registry, a counter) fails here."""
+    src = os.path.join(REPO, "mpi_strategy", "_src")
+    holders = []
+    for folder, _, files in os.walk(src):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            relative = os.path.relpath(path, src)
+            allowed = _NOT_PROCESS_STATE.get(relative, set())
+            holders += [f"{relative}: {n}" for n in _module_state(path) if n not in allowed]
+    assert holders == [], holders

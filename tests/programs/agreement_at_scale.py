@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpi_strategy._src.core import protocol
-from mpi_strategy._src.core.collectives import Collectives
+from mpi_strategy._src.core.collectives import ArrayCollectives
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.protocol import record_bytes
 
@@ -42,20 +42,20 @@ def check(ok: bool, what: str) -> None:
 
 
 def main() -> None:
-    gathered = Collectives(WORLD)
+    gathered = ArrayCollectives(WORLD)
     run(gathered)
     protocol.HASHED_ABOVE = 32
-    hashed = Collectives(WORLD)
-    check(hashed.rendezvous.hashed, "the hashed agreement is in use")
+    hashed = ArrayCollectives(WORLD)
+    check(hashed.agreement.hashed, "the hashed agreement is in use")
     run(hashed)
     check("tensorflow" not in sys.modules, "no TensorFlow imported")
     if RANK == 0:
-        carry = gathered.rendezvous.carry_bytes
+        carry = gathered.agreement.carry_bytes
         print(f"OK {SIZE} ranks, record {record_bytes(SIZE)} bytes, carried {carry}", flush=True)
 
 
-def run(collectives: Collectives) -> None:
-    carry = collectives.rendezvous.carry_bytes
+def run(collectives: ArrayCollectives) -> None:
+    carry = collectives.agreement.carry_bytes
     token = 0
 
     def next_token(step: int = 1) -> int:

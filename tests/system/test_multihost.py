@@ -302,8 +302,8 @@ def test_training_across_hosts_matches_single_host(n, cluster, single_host, requ
 # What one step of PROGRAM sends, read from the code (mpi_strategy at the time
 # of writing) and counted at run time by CountingComm on rank 0:
 #   - the gradients: one fused float32 Allreduce of all B = 407,080 bytes (plus
-#     any alignment padding; cross_device_ops -> fusion), after the rendezvous
-#     Allgather with which the ranks agree on the collective (rendezvous.py);
+#     any alignment padding; cross_device_ops -> fusion), after the agreement
+#     Allgather with which the ranks agree on the collective (agreement.py);
 #   - optimizer.iterations += 1: the variable is ONLY_FIRST_REPLICA, so TF
 #     broadcasts the new value (strategy broadcast_to: Allgather + 8-byte Bcast);
 #   - strategy.reduce("SUM", loss): Allgather + 4-byte Allreduce.

@@ -1,12 +1,12 @@
 """The collectives on numpy arrays: agreement first, then the data (the engine).
 
-``Collectives`` runs each collective of one communicator: the ranks agree on
-it (``rendezvous.py``: a mismatch raises the same error on every rank, an
+``ArrayCollectives`` runs each collective of one communicator: the ranks agree on
+it (``agreement.py``: a mismatch raises the same error on every rank, an
 optional timeout names the ranks that never arrived), then the data moves as
 raw buffers, never as pickles; small data rides in the agreement itself.
 A rank lost under ULFM revokes the communicator and raises ``RanksLostError``.
 
-It knows no framework: the tf.distribute binding (``distribute/ops.py``)
+It knows no framework: the tf.distribute binding (``distribute/ordered_comm.py``)
 calls it from inside one ordered TF op per collective, and passes the
 ordering token that the agreement compares. Every method is collective over
 the communicator and returns the same values on every rank.
@@ -14,7 +14,6 @@ the communicator and returns the same values on every rank.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 import weakref
@@ -24,36 +23,37 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpi_strategy._src.core import buffers, rendezvous as rendezvous_lib, ulfm
+from mpi_strategy._src.core import agreement as agreement_lib, buffers, kinds, protocol, ulfm
+from mpi_strategy._src.core.agreement import ErrorClass
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
-from mpi_strategy._src.core.protocol import Field, State
-from mpi_strategy._src.core.rendezvous import ALLTOALLV, BARRIER, REDUCESCATTER, ErrorClass, Shape
+from mpi_strategy._src.core.kinds import ALLTOALLV, BARRIER, REDUCESCATTER
+from mpi_strategy._src.core.process import PROCESS
+from mpi_strategy._src.core.protocol import Field, Shape, State
 from mpi_strategy._src.core.timeline import Timeline
 from mpi_strategy._src.core.wire import as_bytes, concat_bytes, split_gathered
 
 Arrays = Sequence[np.ndarray]
 
 # op name -> (the agreement's kind, the MPI op, the numpy ufunc for carried data)
-REDUCTIONS: dict[str, tuple[rendezvous_lib.Kind, MPI.Op, np.ufunc]] = {
-    "sum": (rendezvous_lib.ALLREDUCE, MPI.SUM, np.add),
-    "min": (rendezvous_lib.ALLREDUCE_MIN, MPI.MIN, np.minimum),
-    "max": (rendezvous_lib.ALLREDUCE_MAX, MPI.MAX, np.maximum),
-    "product": (rendezvous_lib.ALLREDUCE_PRODUCT, MPI.PROD, np.multiply),
+REDUCTIONS: dict[str, tuple[kinds.Kind, MPI.Op, np.ufunc]] = {
+    "sum": (kinds.ALLREDUCE, MPI.SUM, np.add),
+    "min": (kinds.ALLREDUCE_MIN, MPI.MIN, np.minimum),
+    "max": (kinds.ALLREDUCE_MAX, MPI.MAX, np.maximum),
+    "product": (kinds.ALLREDUCE_PRODUCT, MPI.PROD, np.multiply),
 }
-_numbers = itertools.count()  # names each communicator in the timeline
 
 
-class Collectives:
+class ArrayCollectives:
     """The collectives of one communicator, on numpy arrays.
 
-    Collective over ``comm``: every rank of it creates its ``Collectives`` at
+    Collective over ``comm``: every rank of it creates its ``ArrayCollectives`` at
     the same point. They run on a duplicate of ``comm`` (``comm.Dup()``, freed
     with this object), so that they never match the program's own MPI calls on
-    ``comm``, nor those of another ``Collectives`` of the same ``comm``.
+    ``comm``, nor those of another ``ArrayCollectives`` of the same ``comm``.
 
     ``name_missing_ranks``: make timeouts name the ranks that never arrived
     (costs a few bytes of point-to-point messages per collective when a
-    timeout is used). ``mismatch_error`` / ``timeout_error``: see ``Rendezvous``.
+    timeout is used). ``mismatch_error`` / ``timeout_error``: see ``Agreement``.
     """
 
     def __init__(
@@ -69,11 +69,11 @@ class Collectives:
         weakref.finalize(self, self.comm.Free).atexit = False
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.rendezvous = rendezvous_lib.Rendezvous(
+        self.agreement = agreement_lib.Agreement(
             comm, name_missing_ranks, mismatch_error, timeout_error
         )
-        self.rendezvous.state[State.DATA_COMM] = rendezvous_lib.as_int64(self.comm.handle)
-        self.number = next(_numbers)
+        self.agreement.state[State.DATA_COMM] = protocol.as_int64(self.comm.handle)
+        self.number = next(PROCESS.communicator_numbers)  # its name in the timeline
         self.failed = False  # a rank died (see RanksLostError)
         self._retired: Callable[[], Exception] | None = None
         self._mismatch_error = mismatch_error
@@ -99,7 +99,7 @@ class Collectives:
         """Makes every later collective raise ``error()`` (a communicator that
         a recovery replaced, still reachable from code traced before it)."""
         self._retired = error
-        self.rendezvous.state[State.BLOCKED] = 1
+        self.agreement.state[State.BLOCKED] = 1
 
     def ranks_lost(self, error: MPI.Exception) -> RanksLostError:
         """Marks this communicator as failed, revokes it (ranks in another
@@ -115,7 +115,7 @@ class Collectives:
 
     def timed(self, fn: Callable[..., Any], name: str, trace: Timeline) -> Callable[..., Any]:
         """``fn(token, *arrays)``, recording each call in the timeline ``trace``."""
-        rendezvous = self.rendezvous
+        agreement = self.agreement
         comm = (self.number, f"MPI communicator {self.number} ({self.size} ranks)")
 
         def timed(token: int, *arrays: np.ndarray) -> Any:
@@ -125,11 +125,11 @@ class Collectives:
                 name,
                 comm,
                 start,
-                rendezvous.agreed_at,
+                agreement.agreed_at,
                 time.perf_counter(),
                 sum(a.nbytes for a in arrays),
                 len(arrays),
-                rendezvous.seq,
+                agreement.seq,
             )
             return outs
 
@@ -165,7 +165,7 @@ class Collectives:
         """
         kind, mpi_op, ufunc = REDUCTIONS[op]
         buffer, outs = buffers.pack(arrays, self._pool)
-        _, carried = self.rendezvous.agree_carrying(
+        _, carried = self.agreement.agree_carrying(
             as_bytes(buffer),
             kind,
             arrays[0].dtype,
@@ -195,7 +195,7 @@ class Collectives:
         row more than the others)."""
         _, mpi_op, _ = REDUCTIONS[op]
         array = np.ascontiguousarray(array)
-        self.rendezvous.agree(
+        self.agreement.agree(
             REDUCESCATTER, array.dtype, [array.shape], timeout=timeout, tag=op, token=token
         )
         row = math.prod(array.shape[1:])
@@ -220,7 +220,7 @@ class Collectives:
         sent = np.zeros(self.size + 1, np.int64)
         sent[: min(self.size, counts.size)] = counts[: self.size]
         sent[-1] = counts.size == self.size and bool((counts >= 0).all()) and counts.sum() == rows
-        _, carried = self.rendezvous.agree_carrying(
+        _, carried = self.agreement.agree_carrying(
             as_bytes(sent),
             ALLTOALLV,
             array.dtype,
@@ -255,7 +255,7 @@ class Collectives:
 
     def barrier(self, timeout: float | None = None, token: int | None = None) -> None:
         """Returns once every rank has called it (with a timeout, naming the late ranks)."""
-        self.rendezvous.agree(BARRIER, np.uint8, [], timeout=timeout, token=token)
+        self.agreement.agree(BARRIER, np.uint8, [], timeout=timeout, token=token)
 
     def allgather(
         self, arrays: Arrays, timeout: float | None = None, token: int = 0
@@ -266,9 +266,9 @@ class Collectives:
         arrays = [np.ascontiguousarray(a) for a in arrays]
         rows = np.array([a.shape[0] if a.ndim else 1 for a in arrays], np.int64)
         mine = concat_bytes([rows, *arrays])
-        everyone, carried = self.rendezvous.agree_carrying(
+        everyone, carried = self.agreement.agree_carrying(
             mine,
-            rendezvous_lib.ALLGATHER,
+            kinds.ALLGATHER,
             [a.dtype for a in arrays],
             [a.shape[1:] for a in arrays],
             rows=int(rows.sum()),
@@ -294,8 +294,8 @@ class Collectives:
                 f"shape {array.shape}."
             )
         array = np.ascontiguousarray(array)
-        self.rendezvous.agree(
-            rendezvous_lib.ALLTOALL, array.dtype, [array.shape], timeout=timeout, token=token
+        self.agreement.agree(
+            kinds.ALLTOALL, array.dtype, [array.shape], timeout=timeout, token=token
         )
         out = buffers.aligned_empty(array.shape, array.dtype)
         self.comm.Alltoall([as_bytes(array), MPI.BYTE], [as_bytes(out), MPI.BYTE])
@@ -308,9 +308,9 @@ class Collectives:
         dtype raise (they are not running the same program)."""
         out = buffers.aligned_empty(array.shape, array.dtype)
         out[...] = array
-        _, carried = self.rendezvous.agree_carrying(
+        _, carried = self.agreement.agree_carrying(
             as_bytes(out),
-            rendezvous_lib.BROADCAST,
+            kinds.BROADCAST,
             array.dtype,
             [array.shape],
             timeout=timeout,

@@ -1,8 +1,8 @@
 """The framework-free exceptions (public as ``mpi_strategy.errors``).
 
 The two that are also ``tf.errors`` classes (a mismatch, a timeout) live in the
-binding (``distribute/errors.py``); the core raises whatever error classes its
-``Rendezvous`` is given.
+binding (``distribute/tf_errors.py``); the core raises whatever error classes its
+``Agreement`` is given.
 """
 
 _PUBLIC_MODULE = "mpi_strategy.errors"

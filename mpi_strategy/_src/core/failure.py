@@ -25,9 +25,8 @@ from types import TracebackType
 from mpi4py import MPI
 
 from mpi_strategy._src.core.errors import RanksLostError, TooFewRanksError
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.core.ulfm import is_process_failure, is_replacement, ulfm_launch
-
-_state = {"armed": False, "aborting": False}
 
 
 def arm(comm: MPI.Comm) -> None:
@@ -35,17 +34,17 @@ def arm(comm: MPI.Comm) -> None:
     (or this process replaces a lost rank, alone in its world until it joins:
     the survivors must learn of its death), an uncaught exception ends the job."""
     if comm.Get_size() > 1 or is_replacement():
-        _state["armed"] = True
+        PROCESS.failure_armed = True
 
 
 def armed() -> bool:
     """True once an uncaught exception must end the whole job (see ``arm``)."""
-    return _state["armed"]
+    return PROCESS.failure_armed
 
 
 def aborting() -> bool:
     """True once this process has started to abort the job (an uncaught exception)."""
-    return _state["aborting"]
+    return PROCESS.aborting
 
 
 def end_the_job(
@@ -54,7 +53,7 @@ def end_the_job(
     """The uncaught exception's traceback, tagged with the rank, then the end
     of the job (``MPI_Abort``; under ULFM see ``_leave_under_ulfm``). A
     ``KeyboardInterrupt`` (Ctrl-C) ends it like any other exception."""
-    _state["aborting"] = True  # MPICH's Abort may still run exit handlers
+    PROCESS.aborting = True  # MPICH's Abort may still run exit handlers
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     # One write, so that launchers that tag lines with the rank keep it whole.
     # TensorFlow's messages span many lines; the traceback below has them all.
@@ -82,18 +81,15 @@ def _what_happens_now(exc: BaseException) -> str:
 
 
 def _every_living_rank_raises(exc: BaseException) -> bool:
-    if any(test(exc) for test in _SHARED_ERRORS):
+    if any(test(exc) for test in PROCESS.shared_errors):
         return True
     return isinstance(exc, (RanksLostError, TooFewRanksError)) or is_process_failure(exc)
-
-
-_SHARED_ERRORS: list[Callable[[BaseException], bool]] = []
 
 
 def raised_by_every_living_rank(test: Callable[[BaseException], bool]) -> None:
     """Adds an error that every living rank raises at once (``test(exc)``), so
     that under ULFM it ends each rank with status 1 (see ``_leave_under_ulfm``)."""
-    _SHARED_ERRORS.append(test)
+    PROCESS.shared_errors.append(test)
 
 
 def _leave_under_ulfm(exc: BaseException) -> None:

@@ -19,8 +19,15 @@ several tensors (``PACK_ALIGN``) and the all-gather layout (``PIECE_ALIGN``).
 from __future__ import annotations
 
 import enum
+import functools
+import math
+import zlib
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+
+Shape = Sequence[int]
 
 
 class Field(enum.IntEnum):
@@ -110,6 +117,98 @@ def hash_of(signature: np.ndarray) -> int:
     for byte in signature[MUST_AGREE].astype("<i8").tobytes():
         h = ((h ^ byte) * FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
     return h >> 1
+
+
+# A dtype's code in a signature: its index here (else 1000 + numpy's number).
+DTYPES = [
+    np.dtype(t)
+    for t in (
+        np.float32,
+        np.float64,
+        np.int32,
+        np.int64,
+        np.float16,
+        np.bool_,
+        np.uint8,
+        np.int8,
+        np.int16,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+        np.complex64,
+        np.complex128,
+    )
+]
+_DTYPE_CODES = {d: i for i, d in enumerate(DTYPES)}
+
+
+def dtype_code(dtype: Any) -> int:
+    """``dtype``'s code in a signature (``Field.DTYPE``)."""
+    dtype = np.dtype(dtype)
+    return _DTYPE_CODES.get(dtype, 1000 + dtype.num)
+
+
+def dtype_name(code: int) -> str:
+    """The name of the dtype whose signature code is ``code``."""
+    return DTYPES[code].name if code < len(DTYPES) else f"dtype#{code - 1000}"
+
+
+def as_int64(handle: int) -> int:
+    """An MPI handle from mpi4py (MPICH's are ints that mpi4py may give
+    sign-extended as unsigned) as the signed 64-bit integer kernels take."""
+    return handle - (1 << 64) if handle >= 1 << 63 else handle
+
+
+def layout(shapes: Sequence[Shape], dtypes: Sequence[Any], tag: str = "") -> tuple[int, int, int]:
+    """(first dtype's code, elements, layout hash): the static part of a
+    signature (``signature``'s ``dtype`` given as a sequence), for kernels that
+    build it without Python."""
+    return _layout(tuple(tuple(int(d) for d in shape) for shape in shapes), tuple(dtypes), tag)
+
+
+def signature(
+    seq: int,
+    kind: int,
+    dtype: Any,
+    shapes: Sequence[Shape],
+    rows: int = 0,
+    nbytes: int = 0,
+    tag: str = "",
+    solo: int = 0,
+    token_step: int = 0,
+    notice: int = 0,
+) -> np.ndarray:
+    """The fixed-size description of a collective that every rank compares
+    (``Field``'s fields, in order).
+
+    ``kind``: the collective's kind code (``kinds.Kind.code``).
+    ``shapes``: the shapes that must agree (of each tensor packed into an
+    allreduce; of a broadcast tensor; of a row of each all_gathered tensor).
+    ``dtype``: one dtype, or one per shape (all_gather of several tensors).
+    ``tag``: text that must agree too (which save, of which path).
+    ``solo``: the code of the partial meeting this rank is in without the
+    other ranks (0: none).
+    ``token_step``: how far the ordering token moved since the previous collective.
+    ``notice``: this rank's preemption notice (a signal number; 0: none).
+    """
+    dtypes = tuple(dtype) if isinstance(dtype, (list, tuple)) else (dtype,)
+    code, count, layout = _layout(tuple(tuple(shape) for shape in shapes), dtypes, tag)
+    return np.array(
+        [seq, kind, code, count, len(shapes), layout, solo, token_step, rows, nbytes, notice],
+        np.int64,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(
+    shapes: tuple[tuple[int, ...], ...], dtypes: tuple[Any, ...], tag: str
+) -> tuple[int, int, int]:
+    """(first dtype's code, elements, hash of shapes, dtypes and tag): the same few
+    collectives recur every step, so each is worked out once."""
+    ints = [tuple(int(d) for d in shape) for shape in shapes]
+    codes = [dtype_code(d) for d in dtypes]
+    count = sum(math.prod(shape) for shape in ints)
+    return codes[0], count, zlib.crc32(repr((ints, codes, tag)).encode()) & 0x7FFFFFFF
 
 
 def fingerprint() -> str:

@@ -11,7 +11,7 @@ by a crash still opens). Every collective is one event on its rank's row with
 two parts:
 
 * ``wait for ranks``: from entering the collective until every rank has
-  entered it (the agreement message, ``rendezvous.py``): time lost to other
+  entered it (the agreement message, ``agreement.py``): time lost to other
   ranks being late, i.e. to load imbalance and to everything else a step does;
 * ``transfer``: moving and summing the data once all ranks are there (the
   MPI call, the copies in and out; for small data, summing what the agreement
@@ -36,8 +36,10 @@ from typing import Any, TextIO
 
 from mpi4py import MPI
 
+from mpi_strategy._src.core.process import PROCESS
+
 ENV_VAR = "MPI_STRATEGY_TIMELINE"
-_KINDS = {
+_EVENT_NAMES = {
     "MPIAllreduce": "allreduce",
     "MPIAllgather": "all_gather",
     "MPIBroadcast": "broadcast",
@@ -95,7 +97,7 @@ class Timeline:
         self._write(
             dict(
                 common,
-                name=_KINDS.get(op_name, op_name),
+                name=_EVENT_NAMES.get(op_name, op_name),
                 ts=begin,
                 dur=(end - start) * 1e6,
                 args={"collective": number, "bytes": nbytes, "tensors": tensors},
@@ -123,7 +125,6 @@ class Timeline:
                 self._file = None
 
 
-_timelines: dict[str, Timeline] = {}
 _SPAWNED_PID_OFFSET = 100_000  # a replacement's row, apart from the original ranks'
 
 
@@ -132,17 +133,18 @@ def current() -> Timeline | None:
     path = os.environ.get(ENV_VAR)
     if not path:
         return None
-    if path not in _timelines:
+    timeline = PROCESS.timelines.get(path)
+    if not isinstance(timeline, Timeline):
         spawned = MPI.Comm.Get_parent() != MPI.COMM_NULL  # a replacement: its own COMM_WORLD
-        _timelines[path] = Timeline(
+        timeline = PROCESS.timelines[path] = Timeline(
             path, MPI.COMM_WORLD.Get_rank(), f"-spawned-{os.getpid()}" if spawned else ""
         )
-    return _timelines[path]
+    return timeline
 
 
 def close_all() -> None:
     """Ends every timeline file this process writes (at the program's end)."""
-    for timeline in _timelines.values():
+    for timeline in PROCESS.timelines.values():
         timeline.close()
 
 

@@ -11,7 +11,7 @@ import tensorflow as tf
 from mpi4py import MPI
 
 if TYPE_CHECKING:
-    from mpi_strategy._src.distribute.ops import OrderedComm
+    from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 
 _HOST_BYTES = 256
 # What TensorFlow's resolvers count in num_accelerators() (not CPUs).
@@ -81,7 +81,7 @@ class MPIClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
         """``(signal, collective number)``: the first preemption notice any rank
         posted, learnt from a collective of the strategy; the same on every
         rank once that collective is done (None: no notice yet)."""
-        return self.ordered_comm().rendezvous.noticed
+        return self.ordered_comm().agreement.noticed
 
     def num_accelerators(
         self, task_type: Any = None, task_id: Any = None, config_proto: Any = None

@@ -20,7 +20,7 @@ from mpi4py import MPI
 from mpi_strategy._src import _tf_internal
 from mpi_strategy._src.core.validation import check_same_on_all_ranks, resolve_comm
 from mpi_strategy._src.distribute import compression as compression_lib, fusion
-from mpi_strategy._src.distribute.ops import OrderedComm
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 
 ReduceOp = tf.distribute.ReduceOp
 

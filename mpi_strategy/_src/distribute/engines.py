@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from mpi_strategy._src.core import timeline as timeline_lib
-from mpi_strategy._src.core.collectives import Collectives
+from mpi_strategy._src.core.collectives import ArrayCollectives
 from mpi_strategy._src.native.engine import NativeComm
 
 Shapes = tuple[tuple[int, ...], ...]
@@ -84,7 +84,7 @@ class PythonEngine:
     name = "python"
     device = HOST
 
-    def __init__(self, collectives: Collectives) -> None:
+    def __init__(self, collectives: ArrayCollectives) -> None:
         self._collectives = collectives
 
     def runs(self, collective: Collective) -> bool:

@@ -4,7 +4,7 @@ or per bucket of about ``bytes_per_pack`` bytes.
 ``fused_allreduce(tensors, allreduce_packed)`` groups the tensors by the dtype
 they travel in and reduces each group with one ``allreduce_packed`` call (which
 packs the group into one buffer): a sum for the strategy, also a min, max or
-product for Horovod's API (``horovod/ops.py``). float16 and bfloat16 travel and
+product for Horovod's API (``horovod/mpi_ops.py``). float16 and bfloat16 travel and
 are reduced as float32 (MPI has no portable half-precision reduction), then
 cast back.
 

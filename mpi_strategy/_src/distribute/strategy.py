@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from mpi_strategy._src import _tf_internal
 from mpi_strategy._src.core import failure, logs
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.logs import logger
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.core.validation import (
     check_same_on_all_ranks,
     mpi_library,
@@ -33,46 +35,57 @@ from mpi_strategy._src.core.validation import (
 from mpi_strategy._src.distribute import compression as compression_lib
 from mpi_strategy._src.distribute.cluster_resolver import MPIClusterResolver
 from mpi_strategy._src.distribute.cross_device_ops import MPICrossDeviceOps
-from mpi_strategy._src.distribute.ops import OrderedComm
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 
 ReduceOp = tf.distribute.ReduceOp
-# Run whenever an MPIStrategy is built or its scope entered: effects.py adds
-# its installer here (Keras imported meanwhile gets adapted), as the layer
-# below it cannot import it.
-_SCOPE_LISTENERS: list[Callable[[], None]] = []
-# The newest MPIStrategy over all of COMM_WORLD (or all its living ranks):
-# where writes that name no object meet, and where the program's end is
-# agreed on. Held strongly: whether a rank meets the others must never depend
-# on what its program still holds.
-_state: dict[str, Any] = {"world": None, "warned_ignored": False, "job": None}
+
+
+@dataclass
+class StrategyState:
+    """The binding's part of the process state (``PROCESS.of``)."""
+
+    # Run whenever an MPIStrategy is built or its scope entered: effects.py adds
+    # its installer here (Keras imported meanwhile gets adapted), as the layer
+    # below it cannot import it.
+    scope_listeners: list[Callable[[], None]] = field(default_factory=list)
+    # The newest MPIStrategy over all of COMM_WORLD (or all its living ranks):
+    # where writes that name no object meet, and where the program's end is
+    # agreed on. Held strongly: whether a rank meets the others must never depend
+    # on what its program still holds.
+    world: MPIStrategy | None = None
+    warned_ignored: bool = False
+    # The same random text on every rank of this job (job_id()).
+    job: str | None = None
+
+
+def _state() -> StrategyState:
+    return PROCESS.of(StrategyState)
 
 
 def on_scope(listener: Callable[[], None]) -> None:
     """Calls ``listener()`` whenever an MPIStrategy is built or its scope
     entered, or another face starts its MPI work (``face_started``)."""
-    if listener not in _SCOPE_LISTENERS:
-        _SCOPE_LISTENERS.append(listener)
+    if listener not in _state().scope_listeners:
+        _state().scope_listeners.append(listener)
 
 
 def newest_over_the_world() -> MPIStrategy | None:
     """The newest MPIStrategy over all of ``COMM_WORLD`` with several ranks (or
     all its living ranks after ranks were lost), or None."""
-    world: MPIStrategy | None = _state["world"]
-    return world
+    return _state().world
 
 
 def job_id() -> str | None:
     """The same random text on every rank of this job (and another in the next
     job), drawn when the first MPIStrategy over the world was built; None
     before. Saves that need no MPI call tell this job's files by it."""
-    job: str | None = _state["job"]
-    return job
+    return _state().job
 
 
 def _draw_job_id(comm: MPI.Intracomm) -> str:
     """Rank 0's job id (drawn at random if it has none) on every rank of
     ``comm``: a replacement of a lost rank takes the survivors'."""
-    job = _state["job"]
+    job = _state().job
     drawn = np.frombuffer(bytes.fromhex(job) if job else os.urandom(16), np.uint8).copy()
     comm.Bcast(drawn, root=0)
     return drawn.tobytes().hex()
@@ -219,9 +232,9 @@ class MPIExtended(_tf_internal.MirroredExtended):
         spans the world, and process-wide effects adapt Keras imported so far."""
         failure.arm(self._comm)
         if self._num_ranks > 1 and spans_the_world(self._comm):
-            _state["world"] = self._container_strategy()
-            if _state["job"] is None:  # (the same on every rank of the world)
-                _state["job"] = _draw_job_id(self._comm)
+            _state().world = self._container_strategy()
+            if _state().job is None:  # (the same on every rank of the world)
+                _state().job = _draw_job_id(self._comm)
         _notify_scope_listeners()
 
     @property
@@ -243,8 +256,8 @@ class MPIExtended(_tf_internal.MirroredExtended):
         self._cross_device_ops = MPICrossDeviceOps(
             comm, self._communication_options, self._cross_device_ops.policy
         )
-        _state["world"] = self._container_strategy()  # all the living ranks
-        _state["job"] = _draw_job_id(comm)
+        _state().world = self._container_strategy()  # all the living ranks
+        _state().job = _draw_job_id(comm)
         self._cluster_resolver = MPIClusterResolver(
             comm,
             {_device_type(self._devices[0]): len(self._devices)},
@@ -451,7 +464,7 @@ def face_started() -> None:
 
 
 def _notify_scope_listeners() -> None:
-    for listener in _SCOPE_LISTENERS:
+    for listener in _state().scope_listeners:
         listener()
 
 
@@ -481,8 +494,8 @@ def _warn_once_if_ignored(options: tf.distribute.experimental.CommunicationOptio
     ignored = []
     if options.implementation != tf.distribute.experimental.CommunicationImplementation.AUTO:
         ignored.append(f"implementation={options.implementation.name}")
-    if ignored and not _state["warned_ignored"]:
-        _state["warned_ignored"] = True
+    if ignored and not _state().warned_ignored:
+        _state().warned_ignored = True
         logger.warning(
             "MPIStrategy ignores CommunicationOptions(%s): every reduction goes "
             "through MPI, one fused collective per dtype.",

@@ -12,7 +12,7 @@ below over the handler's private hooks (``_tf_internal.PREEMPTION_HOOKS``):
 * a notice (the signal TensorFlow watches, SIGTERM by default, or the
   ``termination_watcher_fn`` of ``TerminationConfig`` turning true) is posted
   to the agreement that precedes every collective
-  (``core.rendezvous.post_notice``): every rank learns it from the same
+  (``core.agreement.post_notice``): every rank learns it from the same
   collective, so every rank decides at the same step, with no MPI call of
   its own;
 * at the next ``run`` / ``save_checkpoint_if_preempted`` after that
@@ -33,7 +33,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from mpi_strategy._src.core import rendezvous
+from mpi_strategy._src.core import agreement
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.distribute.cluster_resolver import MPIClusterResolver
 
@@ -74,7 +74,7 @@ def own_notice_wrapper(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def received(handler: Any) -> None:
         if _resolver(handler) is not None:
-            rendezvous.post_notice(signal.SIGTERM)  # (the first notice stays)
+            agreement.post_notice(signal.SIGTERM)  # (the first notice stays)
         original(handler)
 
     return received

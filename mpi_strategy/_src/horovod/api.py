@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from mpi_strategy._src.horovod.basics import ProcessSet, global_process_set
 from mpi_strategy._src.horovod.compression import Compression, Compressor
-from mpi_strategy._src.horovod.ops import (
+from mpi_strategy._src.horovod.mpi_ops import (
     Adasum,
     Average,
     Sum,

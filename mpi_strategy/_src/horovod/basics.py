@@ -12,14 +12,16 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from mpi4py import MPI
 
 from mpi_strategy._src.core import failure, timeline as timeline_lib
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.distribute import strategy as strategy_lib
-from mpi_strategy._src.distribute.ops import OrderedComm
-from mpi_strategy._src.horovod.errors import MismatchError, StalledError
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
+from mpi_strategy._src.horovod.exceptions import MismatchError, StalledError
 
 
 class ProcessSet:
@@ -77,7 +79,27 @@ class ProcessSet:
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
-_state: dict[str, Any] = {"comm": None, "local": None, "cross": None, "sets": {}, "next_id": 1}
+
+@dataclass
+class HorovodState:
+    """Horovod's API in this process (``PROCESS.of``): its communicators once
+    ``init`` ran, the process sets by id, and the HOROVOD_* variables warned about."""
+
+    comm: MPI.Intracomm | None = None
+    local: MPI.Comm | None = None
+    cross: MPI.Comm | None = None
+    sets: dict[int, ProcessSet] = field(default_factory=dict)
+    next_id: int = 1
+    warned: set[str] = field(default_factory=set)
+
+    def reset(self, **fields: Any) -> None:
+        """Sets ``comm``, ``local``, ``cross`` and ``sets`` (others unchanged)."""
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+
+def _state() -> HorovodState:
+    return PROCESS.of(HorovodState)
 
 
 def init(
@@ -88,19 +110,19 @@ def init(
     ranks of COMM_WORLD also works). Collective over ``COMM_WORLD`` the
     first time; later calls do nothing, as in Horovod. ``process_sets``:
     sets to add now (``"dynamic"``: add them later, always allowed here)."""
-    if _state["comm"] is not None:
+    if _state().comm is not None:
         return
     comm = _communicator(comm)
-    _state["comm"] = comm
+    _state().comm = comm
     failure.arm(comm)  # an uncaught exception on one rank ends the job, not a hang
     strategy_lib.face_started()  # (the hook that does so is installed then)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    _state["local"] = local
-    _state["cross"] = comm.Split(local.Get_rank(), comm.Get_rank())
+    _state().local = local
+    _state().cross = comm.Split(local.Get_rank(), comm.Get_rank())
     global_process_set.ranks = list(range(comm.Get_size()))
     global_process_set.mpi_comm = comm
     global_process_set.ordered = _ordered(comm)
-    _state["sets"] = {0: global_process_set}
+    _state().sets = {0: global_process_set}
     _environment()
     if isinstance(process_sets, (list, tuple)):
         for process_set in process_sets:
@@ -132,11 +154,11 @@ def continue_on(comm: MPI.Intracomm) -> None:
     ranks are gone): every rank adds again those it needs. Functions traced
     before hold the old collectives and must be traced again."""
     check_initialized("continue_on")
-    for process_set in list(_state["sets"].values())[1:]:
+    for process_set in list(_state().sets.values())[1:]:
         remove_process_set(process_set)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     cross = comm.Split(local.Get_rank(), comm.Get_rank())
-    _state.update(comm=comm, local=local, cross=cross, sets={0: global_process_set})
+    _state().reset(comm=comm, local=local, cross=cross, sets={0: global_process_set})
     global_process_set.ranks = list(range(comm.Get_size()))
     global_process_set.mpi_comm = comm
     global_process_set.ordered = _ordered(comm)
@@ -144,19 +166,19 @@ def continue_on(comm: MPI.Intracomm) -> None:
 
 def shutdown() -> None:
     """Ends Horovod's API (MPI itself ends with the program); ``init`` may follow."""
-    for process_set in list(_state["sets"].values())[1:]:
+    for process_set in list(_state().sets.values())[1:]:
         remove_process_set(process_set)
-    _state.update(comm=None, local=None, cross=None, sets={})
+    _state().reset(comm=None, local=None, cross=None, sets={})
     global_process_set.ordered = None
 
 
 def is_initialized() -> bool:
     """Whether ``init`` ran (and ``shutdown`` did not follow)."""
-    return _state["comm"] is not None
+    return _state().comm is not None
 
 
 def _comm(name: str = "comm") -> MPI.Intracomm:
-    comm = _state[name]
+    comm = getattr(_state(), name)
     if comm is None:
         raise ValueError("Horovod has not been initialized; use hvd.init().")
     return comm
@@ -265,26 +287,26 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     ranks = everyone[0] or []
     if not ranks or any(not 0 <= r < comm.Get_size() for r in ranks):
         raise ValueError(f"hvd.add_process_set: invalid ranks {ranks} (size {comm.Get_size()})")
-    for existing in _state["sets"].values():
+    for existing in _state().sets.values():
         if existing.ranks == ranks:
             raise ValueError(f"hvd.add_process_set: {existing} has the same ranks")
     member = comm.Get_rank() in ranks
     sub = MPI.Intracomm(comm.Split(0 if member else MPI.UNDEFINED, comm.Get_rank()))
     process_set.ranks = ranks
-    process_set.process_set_id = _state["next_id"]
-    _state["next_id"] += 1
+    process_set.process_set_id = _state().next_id
+    _state().next_id += 1
     process_set.ordered = _ordered(sub) if member else None
-    _state["sets"][process_set.process_set_id] = process_set
+    _state().sets[process_set.process_set_id] = process_set
     return process_set
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Removes a process set added before (every rank calls it); False if unknown."""
     if process_set.process_set_id in (None, 0) or (
-        _state["sets"].get(process_set.process_set_id) is not process_set
+        _state().sets.get(process_set.process_set_id) is not process_set
     ):
         return False
-    del _state["sets"][process_set.process_set_id]
+    del _state().sets[process_set.process_set_id]
     process_set.process_set_id = None
     process_set.ordered = None
     return True
@@ -293,7 +315,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 def process_set_by_id(process_set_id: int) -> ProcessSet:
     """The added process set with this id."""
     try:
-        return _state["sets"][process_set_id]
+        return _state().sets[process_set_id]
     except KeyError:
         raise ValueError(f"no process set with id {process_set_id}") from None
 
@@ -321,7 +343,6 @@ HONOURED = {
 # call (grouped_allreduce / DistributedGradientTape fuse a whole step).
 IGNORED_PREFIX = "HOROVOD_"
 _ALWAYS_SILENT = {"HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"}
-_warned: set[str] = set()
 
 
 def _environment() -> None:
@@ -335,9 +356,9 @@ def _environment() -> None:
         if name.startswith(IGNORED_PREFIX)
         and name not in HONOURED
         and name not in _ALWAYS_SILENT
-        and name not in _warned
+        and name not in _state().warned
     )
-    _warned.update(ignored)
+    _state().warned.update(ignored)
     if ignored and rank() == 0:
         warnings.warn(
             f"mpi_strategy.horovod ignores {', '.join(ignored)}: collectives here are "
@@ -349,5 +370,5 @@ def _environment() -> None:
 
 def check_initialized(what: str) -> None:
     """Raises Horovod's error for a call made before ``init``."""
-    if _state["comm"] is None:
+    if _state().comm is None:
         raise ValueError(f"Horovod has not been initialized; use hvd.init() before {what}.")

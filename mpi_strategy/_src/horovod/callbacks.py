@@ -11,11 +11,13 @@ other one (``set_model`` then remakes the Keras part of the callback).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.horovod import basics
 from mpi_strategy._src.horovod.api import grouped_allreduce
 from mpi_strategy._src.horovod.functions import broadcast_variables
@@ -25,15 +27,21 @@ from mpi_strategy._src.horovod.keras import (
     keras_package,
     optimizer_variables,
 )
-from mpi_strategy._src.horovod.ops import Average
+from mpi_strategy._src.horovod.mpi_ops import Average
 
-_made: dict[tuple[type, str], type] = {}
+
+@dataclass
+class MadeClasses:
+    """The callback classes made on the fly, by (abstract class, Keras package) (``PROCESS.of``)."""
+
+    by_key: dict[tuple[type, str], type] = field(default_factory=dict)
 
 
 def _made_class(cls: type, package: str) -> Any:
     """``cls`` with the Keras class it builds on (``cls._keras_base``) of ``package`` after it."""
     key = (cls, package)
-    if key not in _made:
+    made = PROCESS.of(MadeClasses).by_key
+    if key not in made:
         base = getattr(keras_module(package, "callbacks"), cls._keras_base)  # type: ignore[attr-defined]
         namespace = {
             "__module__": cls.__module__,
@@ -43,8 +51,8 @@ def _made_class(cls: type, package: str) -> Any:
             "_hvd_package": package,
             "_hvd_base": base,
         }
-        _made[key] = type(cls.__name__, (cls, base), namespace)
-    return _made[key]
+        made[key] = type(cls.__name__, (cls, base), namespace)
+    return made[key]
 
 
 class _KerasCallback:

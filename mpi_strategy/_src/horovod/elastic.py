@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -36,11 +37,12 @@ from mpi4py import MPI
 from mpi_strategy._src.core import failure, logs, ulfm
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
 from mpi_strategy._src.core.logs import logger
-from mpi_strategy._src.distribute.ops import OrderedComm
-from mpi_strategy._src.features.elastic import ending as elastic_ending, recovery
+from mpi_strategy._src.core.process import PROCESS
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
+from mpi_strategy._src.features.elastic import recovery, ulfm_exit
 from mpi_strategy._src.horovod import basics
 from mpi_strategy._src.horovod.basics import global_process_set
-from mpi_strategy._src.horovod.errors import HorovodInternalError, HostsUpdatedInterrupt
+from mpi_strategy._src.horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from mpi_strategy._src.horovod.functions import broadcast_object
 
 Result = TypeVar("Result")
@@ -460,17 +462,23 @@ def _retire(ordered: OrderedComm) -> None:
 
 
 # -- the start and the end of an elastic program -------------------------------------
-_started = {"warned": False}
+
+
+@dataclass
+class HorovodElasticState:
+    """The warning about elastic runs without ULFM was given (``PROCESS.of``)."""
+
+    warned: bool = False
 
 
 def _start() -> None:
     """Under ULFM, asks for the library's end without MPI_Finalize over the
-    global set's living ranks (``features/elastic/ending.py``); without it,
+    global set's living ranks (``features/elastic/ulfm_exit.py``); without it,
     says once that a lost rank ends the job."""
     if ulfm.ulfm_launch():
-        elastic_ending.end_without_finalize(_living)
-    elif basics.size() > 1 and not _started["warned"]:
-        _started["warned"] = True
+        ulfm_exit.end_without_finalize(_living)
+    elif basics.size() > 1 and not PROCESS.of(HorovodElasticState).warned:
+        PROCESS.of(HorovodElasticState).warned = True
         logger.warning(
             "mpi_strategy.horovod.elastic: this launch has no User-Level Failure "
             "Mitigation: a lost rank ends the job. For elastic training, launch with "

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from mpi_strategy._src.core.collectives import Collectives
+from mpi_strategy._src.core.collectives import ArrayCollectives
 from mpi_strategy._src.horovod import basics
 from mpi_strategy._src.horovod.basics import ProcessSet, global_process_set
-from mpi_strategy._src.horovod.ops import broadcast_
+from mpi_strategy._src.horovod.mpi_ops import broadcast_
 
 
 def broadcast_variables(
@@ -85,7 +85,7 @@ class _Direct:
     have all run by then; no TensorFlow op is involved, so this works in a
     TensorFlow 1 graph too."""
 
-    def __init__(self, collectives: Collectives) -> None:
+    def __init__(self, collectives: ArrayCollectives) -> None:
         self._collectives = collectives
 
     def broadcast(self, array: np.ndarray, root: int) -> np.ndarray:

@@ -12,7 +12,7 @@ import tensorflow as tf
 from mpi_strategy._src.horovod.api import grouped_allreduce
 from mpi_strategy._src.horovod.basics import ProcessSet, global_process_set
 from mpi_strategy._src.horovod.compression import Compression, Compressor
-from mpi_strategy._src.horovod.ops import Average
+from mpi_strategy._src.horovod.mpi_ops import Average
 
 Groups = int | Sequence[Sequence[tf.Variable]] | None
 ReduceGradients = Callable[[list[Any], list[Any]], list[Any]]

@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from mpi_strategy._src import _keras_internal
 from mpi_strategy._src.core.logs import logger
-from mpi_strategy._src.horovod import api, basics, functions, ops
+from mpi_strategy._src.horovod import api, basics, functions, mpi_ops
 from mpi_strategy._src.horovod.basics import ProcessSet, global_process_set
 from mpi_strategy._src.horovod.compression import Compression, Compressor
 from mpi_strategy._src.horovod.gradients import (
@@ -44,7 +44,7 @@ from mpi_strategy._src.horovod.gradients import (
     allreduce_gradients,
     check_options,
 )
-from mpi_strategy._src.horovod.ops import Adasum, Average, Sum
+from mpi_strategy._src.horovod.mpi_ops import Adasum, Average, Sum
 
 keras: Any = importlib.import_module("keras")
 
@@ -564,7 +564,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             total = tf.reduce_sum(x * weights, axes)
             squares = tf.reduce_sum(tf.square(x) * weights, axes)
             count = tf.reduce_sum(weights, axes)
-        total, squares, count = ops._grouped_allreduce([total, squares, count], op=Sum)
+        total, squares, count = mpi_ops._grouped_allreduce([total, squares, count], op=Sum)
         mean = tf.math.divide_no_nan(total, count)
         variance = tf.maximum(tf.math.divide_no_nan(squares, count) - tf.square(mean), 0.0)
         return mean, variance
@@ -630,12 +630,12 @@ def allreduce(
 
 def allgather(value: Any, name: str | None = None) -> tf.Tensor:
     """Every rank's ``value`` concatenated along axis 0, in rank order, on every rank."""
-    return ops.allgather(tf.convert_to_tensor(value))
+    return mpi_ops.allgather(tf.convert_to_tensor(value))
 
 
 def broadcast(value: Any, root_rank: int, name: str | None = None) -> tf.Tensor:
     """``value`` as it is on ``root_rank``, on every rank."""
-    return ops.broadcast(tf.convert_to_tensor(value), root_rank)
+    return mpi_ops.broadcast(tf.convert_to_tensor(value), root_rank)
 
 
 def reducescatter(value: Any, name: str | None = None, op: int = Average) -> tf.Tensor:

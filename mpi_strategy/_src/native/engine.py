@@ -8,7 +8,7 @@ results bit for bit, so ranks on different engines still meet correctly.
 
 A kernel runs without Python: the static part of its agreement record is an
 attribute fixed when tracing, the dynamic part (collective number, ordering
-token, the partial meeting this rank is in) lives in the rendezvous's
+token, the partial meeting this rank is in) lives in the agreement's
 ``state`` array, which the kernel reads and writes through its address. Python
 runs only on the error path (``_resolve``), where it writes the messages and
 chooses the error classes of the Python engine.
@@ -17,12 +17,12 @@ chooses the error classes of the Python engine.
 from __future__ import annotations
 
 import ctypes
-import functools
 import itertools
 import os
 import sys
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import mpi4py.MPI
@@ -30,22 +30,40 @@ import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
-from mpi_strategy._src.core import protocol, rendezvous as rendezvous_lib, ulfm
-from mpi_strategy._src.core.collectives import REDUCTIONS, Collectives
+from mpi_strategy._src.core import kinds, protocol, ulfm
+from mpi_strategy._src.core.collectives import REDUCTIONS, ArrayCollectives
 from mpi_strategy._src.core.errors import MPIStrategyError
-from mpi_strategy._src.core.protocol import Event, Op, State
-from mpi_strategy._src.core.rendezvous import Shape, as_int64
+from mpi_strategy._src.core.process import PROCESS
+from mpi_strategy._src.core.protocol import Event, Op, Shape, State, as_int64
 from mpi_strategy._src.native import build
 
 KERNELS_ENV = "MPI_STRATEGY_KERNELS"
 _UNKNOWN = 2  # TF_Code of an exception that is not a tf.errors class
 
-_COMMS: dict[int, weakref.ref[Collectives]] = {}
-_STATES: list[np.ndarray] = []  # kept: a traced function may outlive its communicator
-_SITES: dict[tuple[tuple[int, ...], ...], int] = {}
-_SHAPES: list[tuple[tuple[int, ...], ...]] = []
-_ERRORS: dict[int, BaseException] = {}  # the Python exception behind a kernel's error
-_ids = itertools.count(1)
+
+@dataclass
+class NativeState:
+    """The native engine's part of the process state (``PROCESS.of``)."""
+
+    # Each communicator by its engine id (``State.ENGINE``), for the error path.
+    comms: dict[int, weakref.ref[ArrayCollectives]] = field(default_factory=dict)
+    # Every communicator's shared state array, whose address a traced kernel
+    # holds as an attribute: kept as long as the process, since a traced
+    # function may outlive its communicator (its kernel then finds BLOCKED set).
+    states: list[np.ndarray] = field(default_factory=list)
+    # The shapes a kernel's agreement compares, interned: a kernel holds the index.
+    sites: dict[tuple[tuple[int, ...], ...], int] = field(default_factory=dict)
+    shapes: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)
+    # The Python exception behind each communicator's last kernel error.
+    errors: dict[int, BaseException] = field(default_factory=dict)
+    ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    # The loaded kernels (None: the Python engine), once ``kernels()`` chose.
+    kernels: Kernels | None = None
+    chosen: bool = False
+
+
+def _native() -> NativeState:
+    return PROCESS.of(NativeState)
 
 
 class Unavailable(RuntimeError):
@@ -108,9 +126,16 @@ def check_protocol(library: ctypes.CDLL, path: object) -> None:
         )
 
 
-@functools.cache
 def kernels() -> Kernels | None:
     """The native kernels when they are in use (built at the first call), else None."""
+    native = _native()
+    if not native.chosen:
+        native.kernels = _load()  # (an error leaves the choice to the next call)
+        native.chosen = True
+    return native.kernels
+
+
+def _load() -> Kernels | None:
     mode = os.environ.get(KERNELS_ENV, "auto").lower() or "auto"
     if mode not in ("native", "python", "auto"):
         raise MPIStrategyError(
@@ -142,15 +167,15 @@ def active() -> str:
 
 
 class NativeComm:
-    """The native collectives of one ``Collectives`` (a communicator)."""
+    """The native collectives of one ``ArrayCollectives`` (a communicator)."""
 
-    def __init__(self, kernels: Kernels, collectives: Collectives) -> None:
+    def __init__(self, kernels: Kernels, collectives: ArrayCollectives) -> None:
         self._ops = kernels.ops
-        self.id = next(_ids)
-        _COMMS[self.id] = weakref.ref(collectives)
-        state = collectives.rendezvous.state
+        self.id = next(_native().ids)
+        _native().comms[self.id] = weakref.ref(collectives)
+        state = collectives.agreement.state
         state[State.ENGINE] = self.id
-        _STATES.append(state)
+        _native().states.append(state)
         weakref.finalize(collectives, state.__setitem__, State.BLOCKED, 1)
         self._state = state.ctypes.data
         self.size = collectives.size
@@ -164,7 +189,7 @@ class NativeComm:
         shapes: Sequence[Shape],
         contiguous: bool = False,
     ) -> list[tf.Tensor]:
-        """[next token, *reduced tensors]: ``Collectives.allreduce`` in one kernel.
+        """[next token, *reduced tensors]: ``ArrayCollectives.allreduce`` in one kernel.
         ``shapes``: what the agreement compares (static). ``contiguous``: the
         tensors' bytes back to back, as the Python engine sends small tensors
         that TensorFlow concatenated (else each starts 64-byte aligned, as
@@ -185,21 +210,19 @@ class NativeComm:
 
     @tf.autograph.experimental.do_not_convert
     def broadcast(self, token: tf.Tensor, tensor: tf.Tensor, root: int) -> list[tf.Tensor]:
-        """[next token, ``tensor`` as on ``root``]: ``Collectives.broadcast`` in one kernel."""
+        """[next token, ``tensor`` as on ``root``]: ``ArrayCollectives.broadcast`` in one kernel."""
         shapes = [tuple(tensor.shape)]
         return self._ops.mpi_strategy_broadcast(  # (next token, output)
             name="MPIBroadcast",
             token=token,
             input=tensor,
             root=root,
-            **self._site(
-                rendezvous_lib.BROADCAST, shapes, [tensor.dtype.as_numpy_dtype], f"root {root}"
-            ),
+            **self._site(kinds.BROADCAST, shapes, [tensor.dtype.as_numpy_dtype], f"root {root}"),
         )
 
     @tf.autograph.experimental.do_not_convert
     def allgather(self, token: tf.Tensor, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-        """[next token, *gathered tensors]: ``Collectives.allgather`` in one
+        """[next token, *gathered tensors]: ``ArrayCollectives.allgather`` in one
         kernel (the tensors' shapes beyond axis 0 known when tracing)."""
         row_shapes = [tuple(t.shape[1:]) for t in tensors]
         dtypes = [t.dtype.as_numpy_dtype for t in tensors]
@@ -207,35 +230,33 @@ class NativeComm:
             name="MPIAllgather",
             token=token,
             inputs=list(tensors),
-            **self._site(rendezvous_lib.ALLGATHER, row_shapes, dtypes),
+            **self._site(kinds.ALLGATHER, row_shapes, dtypes),
         )
         return [next_token, *outputs]
 
     @tf.autograph.experimental.do_not_convert
     def barrier(self, token: tf.Tensor) -> list[tf.Tensor]:
-        """[next token, a scalar 0]: ``Collectives.barrier`` in one kernel."""
+        """[next token, a scalar 0]: ``ArrayCollectives.barrier`` in one kernel."""
         return self._ops.mpi_strategy_barrier(  # (next token, output)
             name="MPIBarrier",
             token=token,
-            **self._site(rendezvous_lib.BARRIER, [], [np.uint8]),
+            **self._site(kinds.BARRIER, [], [np.uint8]),
         )
 
     @tf.autograph.experimental.do_not_convert
     def alltoall(self, token: tf.Tensor, tensor: tf.Tensor) -> list[tf.Tensor]:
-        """[next token, row r from rank r]: ``Collectives.alltoall`` in one
+        """[next token, row r from rank r]: ``ArrayCollectives.alltoall`` in one
         kernel (``tensor`` has one row per rank)."""
         return self._ops.mpi_strategy_alltoall(  # (next token, output)
             name="MPIAlltoall",
             token=token,
             input=tensor,
-            **self._site(
-                rendezvous_lib.ALLTOALL, [tuple(tensor.shape)], [tensor.dtype.as_numpy_dtype]
-            ),
+            **self._site(kinds.ALLTOALL, [tuple(tensor.shape)], [tensor.dtype.as_numpy_dtype]),
         )
 
     @tf.autograph.experimental.do_not_convert
     def reducescatter(self, token: tf.Tensor, tensor: tf.Tensor, op: str) -> list[tf.Tensor]:
-        """[next token, this rank's rows of the reduction]: ``Collectives.reducescatter``
+        """[next token, this rank's rows of the reduction]: ``ArrayCollectives.reducescatter``
         in one kernel."""
         dtype = tensor.dtype.as_numpy_dtype
         return self._ops.mpi_strategy_reducescatter(  # (next token, output)
@@ -244,15 +265,15 @@ class NativeComm:
             input=tensor,
             mpi_op=as_int64(REDUCTIONS[op][1].handle),
             mpi_dtype=as_int64(MPI.Datatype.fromcode(np.dtype(dtype).char).handle),
-            **self._site(rendezvous_lib.REDUCESCATTER, [tuple(tensor.shape)], [dtype], op),
+            **self._site(kinds.REDUCESCATTER, [tuple(tensor.shape)], [dtype], op),
         )
 
     def _site(
-        self, kind: rendezvous_lib.Kind, shapes: Sequence[Shape], dtypes: list[Any], tag: str = ""
+        self, kind: kinds.Kind, shapes: Sequence[Shape], dtypes: list[Any], tag: str = ""
     ) -> dict[str, int]:
         """The attributes that fix a kernel's record: what ``signature``
         computes from these arguments, and where the shared state is."""
-        code, count, layout = rendezvous_lib.layout(shapes, [np.dtype(d) for d in dtypes], tag)
+        code, count, layout = protocol.layout(shapes, [np.dtype(d) for d in dtypes], tag)
         return {
             "state": self._state,
             "site": _site_id(shapes),
@@ -265,15 +286,16 @@ class NativeComm:
 
     def take_error(self) -> BaseException | None:
         """The Python exception behind this communicator's last kernel error (once)."""
-        return _ERRORS.pop(self.id, None)
+        return _native().errors.pop(self.id, None)
 
 
 def _site_id(shapes: Sequence[Shape]) -> int:
     key = tuple(tuple(int(d) for d in shape) for shape in shapes)
-    if key not in _SITES:
-        _SITES[key] = len(_SHAPES)
-        _SHAPES.append(key)
-    return _SITES[key]
+    native = _native()
+    if key not in native.sites:
+        native.sites[key] = len(native.shapes)
+        native.shapes.append(key)
+    return native.sites[key]
 
 
 def _resolve(
@@ -282,7 +304,7 @@ def _resolve(
     """A kernel's error path (kernels/agreement.cc ``AskPython``): 0 to go on, else a
     TF_Code, with the message written to ``message``."""
     try:
-        collectives = _COMMS[engine]()
+        collectives = _native().comms[engine]()
         if collectives is None:
             raise MPIStrategyError("mpi_strategy: a collective ran on a freed communicator.")
         if event == Event.BLOCKED:
@@ -297,10 +319,10 @@ def _resolve(
             records = np.ctypeslib.as_array(
                 (ctypes.c_uint8 * (size * width)).from_address(received)
             ).reshape(size, width)
-            collectives.rendezvous.settle_compiled(records, _SHAPES[site])
+            collectives.agreement.settle_compiled(records, _native().shapes[site])
         return 0
     except BaseException as error:  # noqa: BLE001 (every error becomes the kernel's)
-        _ERRORS[engine] = error
+        _native().errors[engine] = error
         text = f"{type(error).__name__}: {error}".encode()[: capacity - 1]
         ctypes.memmove(message, text, len(text))
         ctypes.memset(message + len(text), 0, 1)
@@ -308,8 +330,8 @@ def _resolve(
         return code if isinstance(code, int) and code else _UNKNOWN
 
 
-def record_width(collectives: Collectives) -> int:
-    return int(collectives.rendezvous.state[State.RECORD_BYTES])
+def record_width(collectives: ArrayCollectives) -> int:
+    return int(collectives.agreement.state[State.RECORD_BYTES])
 
 
 _Resolve = ctypes.CFUNCTYPE(

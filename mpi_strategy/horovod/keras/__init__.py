@@ -8,7 +8,7 @@ the op constants as in Horovod (``DistributedOptimizer`` refuses it).
 imports the same objects).
 """
 
-from mpi_strategy._src.horovod.ops import Adasum
+from mpi_strategy._src.horovod.mpi_ops import Adasum
 from mpi_strategy.horovod.tensorflow import keras as _tensorflow_keras
 from mpi_strategy.horovod.tensorflow.keras import *  # noqa: F403 (one API, two names)
 

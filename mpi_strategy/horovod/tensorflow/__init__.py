@@ -45,7 +45,7 @@ from mpi_strategy._src.horovod.basics import (
     start_timeline,
     stop_timeline,
 )
-from mpi_strategy._src.horovod.errors import MismatchError, StalledError
+from mpi_strategy._src.horovod.exceptions import MismatchError, StalledError
 from mpi_strategy._src.horovod.functions import (
     allgather_object,
     broadcast_global_variables,
@@ -61,7 +61,7 @@ from mpi_strategy._src.horovod.keras import (
     SyncBatchNormalization,
     tensorflow_distributed_optimizer as DistributedOptimizer,
 )
-from mpi_strategy._src.horovod.ops import (
+from mpi_strategy._src.horovod.mpi_ops import (
     Adasum,
     Average,
     Max,

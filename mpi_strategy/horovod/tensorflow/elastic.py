@@ -28,7 +28,7 @@ from mpi_strategy._src.horovod.elastic import (
     TensorFlowState,
     run,
 )
-from mpi_strategy._src.horovod.errors import HorovodInternalError, HostsUpdatedInterrupt
+from mpi_strategy._src.horovod.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = [
     "TensorFlowKerasState",

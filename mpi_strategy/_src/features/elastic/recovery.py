@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -15,13 +16,30 @@ from mpi4py import MPI
 from mpi_strategy._src.core import ulfm
 from mpi_strategy._src.core.errors import RanksLostError, TooFewRanksError
 from mpi_strategy._src.core.logs import logger
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.distribute.strategy import MPIStrategy
 from mpi_strategy._src.features.elastic import disk, state as state_lib
 from mpi_strategy._src.features.elastic.state import State
 
-# Every recovery of this process: when it noticed the failure (time.time())
-# and how long each part took; read by benchmarks and examples.
-recoveries: list[dict[str, Any]] = []
+
+@dataclass
+class ElasticRecord:
+    """What elastic training did in this process (``PROCESS.of``; public as
+    ``mpi_strategy.elastic.recoveries`` and ``.replacements``, the same lists),
+    read by benchmarks and examples."""
+
+    # Every recovery: when it noticed the failure (time.time()) and how long
+    # each part took.
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    # Every time replacements joined (regrowth.py): when they were started,
+    # their spawn returned and they joined (time.time()), how long the join took.
+    replacements: list[dict[str, Any]] = field(default_factory=list)
+
+
+def record() -> ElasticRecord:
+    """This process's ``ElasticRecord``."""
+    return PROCESS.of(ElasticRecord)
+
 
 Continued = TypeVar("Continued")
 
@@ -64,7 +82,7 @@ def recover(
             f"{os.path.abspath(directory)}; launching the program again resumes from it, "
             "at any number of ranks."
         ) from error
-    recoveries.append(dict(times, ranks_before=before, ranks_after=size, commit=commit))
+    record().recoveries.append(dict(times, ranks_before=before, ranks_after=size, commit=commit))
     logger.warning(
         "mpi_strategy.elastic: lost %d rank(s); continuing on %d from commit #%d "
         "(agree and shrink %.3f s, rebuild the strategy %.3f s, roll back %.3f s)",

@@ -5,7 +5,6 @@ once they are ready, they join (their side: ``replacement.py``)."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from mpi4py import MPI
 
@@ -16,9 +15,6 @@ from mpi_strategy._src.features.elastic import recovery, replacement, state as s
 from mpi_strategy._src.features.elastic.state import State
 
 _SPAWN_WAIT_AT_END_S = 60  # at the program's end, for a spawn to return (then: leave)
-# Every time replacements joined: when they were started, their spawn returned
-# and they joined (time.time()), how long the join took.
-replacements: list[dict[str, Any]] = []
 
 
 class WorldGrew(Exception):
@@ -93,7 +89,7 @@ class Regrowth:
             return  # given up: training goes on with the survivors
         before = ordered.size
         recovery.continue_on(self._strategy, self._state, merged)
-        replacements.append(
+        recovery.record().replacements.append(
             {
                 "started_at": spawning.started_at,
                 "spawned_at": spawning.spawned_at,

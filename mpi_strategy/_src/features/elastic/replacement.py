@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from mpi4py import MPI
 from mpi_strategy._src.core import ulfm
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.logs import logger
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.core.wire import word as _word
 
 _READY, _DECISION = 7301, 7302  # tags: replacements -> survivors' rank 0, and back
@@ -66,8 +68,18 @@ os.chdir(sys.argv[2])
 signal.alarm(int(sys.argv[4]))
 os.execv(sys.executable, [sys.executable] + json.loads(sys.argv[3]))
 """
-# Requests of messages never waited for: alive until the process ends.
-_pending_sends: list[MPI.Request] = []
+
+
+@dataclass
+class PendingSends:
+    """Requests of messages to replacements never waited for: alive until
+    the process ends (``PROCESS.of``; see ``flush_sends``)."""
+
+    requests: list[MPI.Request] = field(default_factory=list)
+
+
+def _pending_sends() -> list[MPI.Request]:
+    return PROCESS.of(PendingSends).requests
 
 
 def check_can_replace() -> None:
@@ -216,7 +228,7 @@ class Spawning:
 def _send(intercomm: MPI.Intercomm, message: int) -> None:
     """To the replacements' rank 0; never waited for (see ``flush_sends``)."""
     try:
-        _pending_sends.append(intercomm.Isend(_word(message), dest=0, tag=_DECISION))
+        _pending_sends().append(intercomm.Isend(_word(message), dest=0, tag=_DECISION))
     except MPI.Exception as error:
         if not ulfm.is_process_failure(error):
             raise
@@ -290,16 +302,16 @@ def flush_sends(timeout_s: float) -> None:
     """Waits (at most ``timeout_s``) for the messages sent to replacements to
     leave this process: before it exits without MPI_Finalize."""
     deadline = time.monotonic() + timeout_s
-    while _pending_sends and time.monotonic() < deadline:
+    while _pending_sends() and time.monotonic() < deadline:
         try:
-            if not _pending_sends[0].Test():
+            if not _pending_sends()[0].Test():
                 time.sleep(0.01)
                 continue
         except MPI.Exception as error:
             if not ulfm.is_process_failure(error):
                 raise
             # its receiver died: the message is not needed any more
-        _pending_sends.pop(0)
+        _pending_sends().pop(0)
 
 
 def join_survivors(
@@ -316,7 +328,7 @@ def join_survivors(
     decision = _LEAVE
     if world.Get_rank() == 0:
         # Not waited for: a send to a survivor that died may never complete.
-        _pending_sends.append(parent.Isend(_word(), dest=0, tag=_READY))
+        _pending_sends().append(parent.Isend(_word(), dest=0, tag=_READY))
         decision = _wait_for_decision(parent)
     decided = _word(decision)
     world.Bcast(decided, root=0)

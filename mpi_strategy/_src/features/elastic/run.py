@@ -38,11 +38,11 @@ from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.distribute.strategy import MPIStrategy
 from mpi_strategy._src.features.elastic import (
     disk,
-    ending,
     recovery,
     regrowth as regrowth_lib,
     replacement,
     state as state_lib,
+    ulfm_exit,
 )
 from mpi_strategy._src.features.elastic.state import State
 
@@ -143,7 +143,7 @@ def _join(strategy: MPIStrategy, state: State) -> None:
     next commit, and continues the strategy with them from it."""
     _build_optimizers(strategy, state_lib.trackables_of(state))
     if ulfm.ulfm_launch():
-        ending.end_without_finalize(lambda: strategy.extended.ordered_comm.comm)
+        ulfm_exit.end_without_finalize(lambda: strategy.extended.ordered_comm.comm)
     merged, newest = replacement.join_survivors(state_lib.specs(state))
     recovery.continue_on(strategy, state, merged)
     state_lib.load(state, newest)
@@ -154,7 +154,7 @@ def _start(strategy: MPIStrategy, state: State, directory: str) -> bool:
     ``directory`` if an earlier launch saved it there; True if loaded."""
     _build_optimizers(strategy, state_lib.trackables_of(state))
     if ulfm.ulfm_launch():
-        ending.end_without_finalize(lambda: strategy.extended.ordered_comm.comm)
+        ulfm_exit.end_without_finalize(lambda: strategy.extended.ordered_comm.comm)
     elif strategy.extended.comm.Get_size() > 1:
         logger.warning(
             "mpi_strategy.elastic: this launch has no User-Level Failure Mitigation "

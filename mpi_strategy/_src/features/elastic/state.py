@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from mpi_strategy._src.core.errors import MPIStrategyError
+from mpi_strategy._src.core.process import PROCESS
 
 _COMMITS_KEPT = 2  # a rank may have committed once more than a survivor that was cut short
 # (number, values, arrays): a commit as sent to a replacement
@@ -140,7 +142,7 @@ def _read(variables: list[tf.Variable]) -> list[tf.Tensor]:
     tensors are immutable: a later update of a variable on the host copies its
     buffer first (copy on write), so no copy is made here for CPU variables."""
     key = tuple(id(v) for v in variables)
-    if _state["reader_key"] != key:
+    if _state().reader_key != key:
 
         def read_all() -> list[tf.Tensor]:
             with tf.device("/device:CPU:0"):
@@ -149,9 +151,20 @@ def _read(variables: list[tf.Variable]) -> list[tf.Tensor]:
         # Called as a concrete function: skips tf.function's argument matching,
         # a large part of a small commit's call.
         read = tf.function(read_all, autograph=False)
-        _state.update(reader_key=key, reader=read.get_concrete_function())
-    return _state["reader"]()
+        _state().reader_key, _state().reader = key, read.get_concrete_function()
+    return _state().reader()
 
 
 # The newest state's reader (traced once) and the variables it reads.
-_state: dict[str, Any] = {"reader_key": None, "reader": None}
+
+
+@dataclass
+class ReaderState:
+    """The traced reader of the state's variables, and what it was traced for (``PROCESS.of``)."""
+
+    reader_key: Any = None
+    reader: Any = None
+
+
+def _state() -> ReaderState:
+    return PROCESS.of(ReaderState)

@@ -54,20 +54,23 @@ import threading
 import weakref
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from mpi_strategy._src.core import filesystems, rendezvous as rendezvous_lib
+from mpi_strategy._src.core import filesystems, kinds
+from mpi_strategy._src.core.agreement import Agreement
 from mpi_strategy._src.core.errors import MPIStrategyError
+from mpi_strategy._src.core.kinds import Kind
 from mpi_strategy._src.core.logs import logger
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.core.protocol import Field
-from mpi_strategy._src.core.rendezvous import Kind, Rendezvous
-from mpi_strategy._src.distribute.ops import OrderedComm
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.distribute.strategy import MPIStrategy, job_id, newest_over_the_world
 
-WRITE = rendezvous_lib.register_kind(
+WRITE = kinds.register_kind(
     Kind(
         5,
         "a save",
@@ -83,7 +86,7 @@ WRITE = rendezvous_lib.register_kind(
         ),
     )
 )
-WRITE_DONE = rendezvous_lib.register_kind(
+WRITE_DONE = kinds.register_kind(
     Kind(
         6,
         "the end of a save",
@@ -103,11 +106,27 @@ NOT_OURS = "not this library's work"
 NO_OBJECT = object()  # a call that names no object (a summary writer)
 _ERROR_CHARS = 2000
 
-_local = threading.local()
-_counter = itertools.count(1)  # next() is atomic under the GIL
-_topologies: weakref.WeakKeyDictionary[OrderedComm, filesystems.Topology] = (
-    weakref.WeakKeyDictionary()
-)
+_local = threading.local()  # the role of the save under way, per thread
+
+
+@dataclass
+class SavingState:
+    """Saving's part of the process state (``PROCESS.of``)."""
+
+    # names of in-memory copies; next() is atomic under the GIL
+    counter: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    # which ranks share a filesystem, per ordered communicator
+    topologies: weakref.WeakKeyDictionary[OrderedComm, filesystems.Topology] = field(
+        default_factory=weakref.WeakKeyDictionary
+    )
+    # path: this process's saves of it that no strategy owns
+    saves_made: dict[str, int] = field(default_factory=dict)
+    # directories without the lock or the record (warned about once)
+    refused: set[str] = field(default_factory=set)
+
+
+def _state() -> SavingState:
+    return PROCESS.of(SavingState)
 
 
 def role() -> str | None:
@@ -189,7 +208,7 @@ def ordered_comm_of(strategy: tf.distribute.Strategy | None) -> OrderedComm | No
     if not isinstance(strategy, MPIStrategy):
         return None
     ordered = strategy.extended.ordered_comm
-    if ordered.size == 1 or not ordered.rendezvous.usable:
+    if ordered.size == 1 or not ordered.agreement.usable:
         return None
     return ordered
 
@@ -233,13 +252,13 @@ def write_point(ordered: OrderedComm, path: str | os.PathLike[str], what: str) -
     job) meets the other ranks after the block too, and is raised everywhere.
     """
     path = os.fspath(path)
-    rendezvous = ordered.rendezvous
-    everyone = rendezvous.agree(WRITE, np.uint8, [], tag=what, nbytes=zlib.crc32(path.encode()))
+    agreement = ordered.agreement
+    everyone = agreement.agree(WRITE, np.uint8, [], tag=what, nbytes=zlib.crc32(path.encode()))
     if everyone is None:
         # Made on some ranks only: they write, as the program asked; if several
         # made this very call, the lowest of them writes (they would race).
-        solo_role = WRITES_ALONE if rendezvous.solo_with[0] == ordered.rank else IN_MEMORY
-        with _in_role(solo_role, rendezvous, alone=True):
+        solo_role = WRITES_ALONE if agreement.solo_with[0] == ordered.rank else IN_MEMORY
+        with _in_role(solo_role, agreement, alone=True):
             yield
         return
     paths = everyone[:, Field.BYTES]
@@ -248,36 +267,37 @@ def write_point(ordered: OrderedComm, path: str | os.PathLike[str], what: str) -
     else:  # each rank named its own path (e.g. per-worker temporary directories)
         writes = int(np.flatnonzero(paths == paths[ordered.rank])[0]) == ordered.rank
     try:
-        with _in_role(WRITES if writes else IN_MEMORY, rendezvous):
+        with _in_role(WRITES if writes else IN_MEMORY, agreement):
             yield
     except Exception as exc:
         # Every rank meets again, except one whose error came from meeting
         # there a rank that failed earlier in the save.
-        if WRITE_DONE not in rendezvous.disagreed:
+        if WRITE_DONE not in agreement.disagreed:
             _meet_after(ordered, what, path, f"{type(exc).__name__}: {exc}")
         raise
     _meet_after(ordered, what, path, "")
 
 
 def _topology(ordered: OrderedComm) -> filesystems.Topology:
-    if ordered not in _topologies:
-        _topologies[ordered] = filesystems.Topology(ordered.comm)
-    return _topologies[ordered]
+    topologies = _state().topologies
+    if ordered not in topologies:
+        topologies[ordered] = filesystems.Topology(ordered.comm)
+    return topologies[ordered]
 
 
 @contextlib.contextmanager
 def _in_role(
-    current: str, rendezvous: Rendezvous | None = None, alone: bool = False
+    current: str, agreement: Agreement | None = None, alone: bool = False
 ) -> Iterator[None]:
     _local.role, _local.alone = current, alone
-    if rendezvous is not None:
-        rendezvous.solo = WRITE if alone else None
+    if agreement is not None:
+        agreement.solo = WRITE if alone else None
     try:
         yield
     finally:
         _local.role, _local.alone = None, False
-        if rendezvous is not None:
-            rendezvous.solo = None
+        if agreement is not None:
+            agreement.solo = None
 
 
 @contextlib.contextmanager
@@ -300,7 +320,8 @@ def locked_write_point(
     directory, name = os.path.split(full)
     key = hashlib.blake2b(name.encode(), digest_size=8).hexdigest()
     with _process_lock:
-        saves = _saves_made[full] = _saves_made.get(full, 0) + 1
+        saves_made = _state().saves_made
+        saves = saves_made[full] = saves_made.get(full, 0) + 1
     with _locked(directory) as lock:
         if lock is not None:
             saved = _recorded(lock, job)
@@ -326,8 +347,6 @@ def locked_write_point(
 _RECORD = "user.mpi_strategy.saves"
 _KEPT = 64
 _process_lock = threading.Lock()
-_saves_made: dict[str, int] = {}  # path: this process's locked saves of it
-_refused: set[str] = set()  # directories without the lock or the record
 
 
 @contextlib.contextmanager
@@ -344,8 +363,8 @@ def _locked(directory: str) -> Iterator[int | None]:
             fcntl.flock(fd, fcntl.LOCK_EX)
             os.setxattr(fd, _RECORD, _read(fd) or b"{}")  # (can it be written here?)
         except OSError as exc:
-            if directory not in _refused:  # (once per directory)
-                _refused.add(directory)
+            if directory not in _state().refused:  # (once per directory)
+                _state().refused.add(directory)
                 logger.warning(
                     "mpi_strategy: %s refuses a lock or an extended attribute (%s): saves "
                     "there of objects that no strategy built meet the other ranks "
@@ -401,7 +420,7 @@ def _record(fd: int, job: str, saved: dict[str, int], path: str) -> None:
 def memory_path(path: str | os.PathLike[str]) -> str:
     """A fresh in-memory path (TensorFlow's ``ram://``) named like ``path``."""
     name = os.path.basename(os.path.normpath(path)) or "saved"
-    return f"ram://mpi_strategy/{os.getpid()}/{next(_counter)}/{name}"
+    return f"ram://mpi_strategy/{os.getpid()}/{next(_state().counter)}/{name}"
 
 
 def remove_memory_path(path: str) -> None:
@@ -417,7 +436,7 @@ def remove_memory_path(path: str) -> None:
 def _meet_after(ordered: OrderedComm, what: str, path: str, failure: str) -> None:
     """Every rank waits for every other; a failure anywhere raises everywhere."""
     failure = failure[:_ERROR_CHARS]
-    everyone = ordered.rendezvous.agree(WRITE_DONE, np.uint8, [], nbytes=len(failure))
+    everyone = ordered.agreement.agree(WRITE_DONE, np.uint8, [], nbytes=len(failure))
     assert everyone is not None  # (not a partial kind)
     if not everyone[:, Field.BYTES].any():
         return

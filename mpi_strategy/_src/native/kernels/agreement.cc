@@ -1,4 +1,4 @@
-// The agreement before every collective, as core/rendezvous.py makes it:
+// The agreement before every collective, as core/agreement.py makes it:
 // the record, its non-blocking Allgather (or, above HASHED_ABOVE ranks, an
 // Allreduce of a hash), the preemption notice, and Python's answer when the
 // ranks disagree or MPI fails.
@@ -46,7 +46,7 @@ int64_t HashOf(const int64_t* signature) {
 }
 
 // Every rank learns a notice from the same exchange: the first one is kept
-// (Rendezvous._heard).
+// (Agreement._heard).
 void Heard(State& state, int64_t notice) {
   if (notice != 0 && state.noticed == 0) {
     state.noticed = notice;
@@ -74,7 +74,7 @@ bool HashesAgree(TF_OpKernelContext* ctx, const Site& site, const int64_t* signa
   return true;
 }
 
-// The agreement (Rendezvous.agree_carrying): returns false on error (set on
+// The agreement (Agreement.agree_carrying): returns false on error (set on
 // the context); `carried` is true when every rank's data is in the records.
 bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
            int64_t nbytes, bool* carried, int64_t rows) {

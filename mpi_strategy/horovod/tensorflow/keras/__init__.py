@@ -59,7 +59,7 @@ from mpi_strategy._src.horovod.keras import (
     load_model,
     reducescatter,
 )
-from mpi_strategy._src.horovod.ops import Average, Sum
+from mpi_strategy._src.horovod.mpi_ops import Average, Sum
 
 # (elastic last: it may build on what is above)
 from mpi_strategy.horovod.tensorflow.keras import callbacks, elastic

@@ -22,301 +22,65 @@ only when the hashes differ (to explain the disagreement, or to settle a save
 that some ranks are in), carry no data, and an all-gather learns each rank's
 byte count in one more small Allgather.
 
-With ``CommunicationOptions(timeout_seconds=T)`` the Allgather is non-blocking
-and polled, and each rank tells the others (a few bytes, point to point) the
-number of every collective it enters. A rank that waited ``T`` seconds then
-raises an error naming the collective, its shape and the ranks that never
-arrived, with the last collective each of them entered.
+With ``CommunicationOptions(timeout_seconds=T)`` the Allgather is polled and
+a rank that waited ``T`` seconds names the ranks that never arrived
+(``timeouts.py``).
 
 Every record also carries the rank's preemption notice (``notice``: a signal
 number, set when a batch scheduler warns the rank), so that every rank learns
 it from the same collective (``noticed``) without an MPI call of its own.
-The wire format is ``protocol.py``'s.
+The wire format is ``protocol.py``'s; the kinds of collective and the words
+of the errors are ``kinds.py``'s.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import time
-import weakref
-import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from mpi_strategy._src.core import protocol
+from mpi_strategy._src.core import protocol, timeouts
 from mpi_strategy._src.core.errors import MPIStrategyError
+from mpi_strategy._src.core.kinds import (
+    ALLGATHER,
+    CONSTANT_ADVICE,
+    ORDER_ADVICE,
+    Kind,
+    describe,
+    kind_of,
+    shapes_text,
+)
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.core.protocol import (
     MUST_AGREE,
     SIGNATURE_BYTES,
     Field,
+    Shape,
     State,
+    as_int64,
     hash_of,
     record_bytes,
+    signature,
 )
 
-Shape = Sequence[int]
 ErrorClass = Callable[[str], Exception]
-
-
-@dataclass(frozen=True)
-class Kind:
-    """What a collective or a meeting is, for the agreement and its messages.
-
-    ``advice``: what to do when the ranks all entered this kind but disagree.
-    ``meeting``: no data (a meeting of the ranks, e.g. around a save);
-    described by its name alone. ``partial``: some ranks may enter it without
-    the others (``agree`` returns None there: they go on alone, see
-    ``Rendezvous.agree``); ``solo_label`` and ``solo_advice`` then describe a
-    collective such a rank makes meanwhile. ``blame``: the advice when a rank
-    in this kind meets ranks in another (it names the likely cause).
-    """
-
-    code: int
-    name: str
-    advice: str = ""
-    meeting: bool = False
-    partial: bool = False
-    solo_label: str = ""
-    solo_advice: str = ""
-    blame: str = ""
-
-
-_KINDS: dict[int, Kind] = {}
-
-
-def register_kind(kind: Kind) -> Kind:
-    """Makes ``kind`` known to every Rendezvous (at import, alike on every rank)."""
-    if _KINDS.get(kind.code, kind) != kind:
-        raise ValueError(f"rendezvous kind code {kind.code} is taken by {_KINDS[kind.code]}")
-    _KINDS[kind.code] = kind
-    return kind
-
-
-ALLREDUCE = register_kind(
-    Kind(
-        1,
-        "allreduce",
-        (
-            "Element-wise reductions need tensors of one shape and dtype on every rank; "
-            "per-replica batches of different sizes can only be reduced along an axis "
-            "(strategy.reduce(..., axis=0)) or gathered."
-        ),
-    )
-)
-ALLGATHER = register_kind(
-    Kind(
-        2,
-        "all_gather",
-        (
-            "Every rank must gather the same tensors, each of one dtype and with "
-            "shapes that agree except along the gather axis."
-        ),
-    )
-)
-BROADCAST = register_kind(
-    Kind(
-        3,
-        "broadcast",
-        (
-            "All ranks must create the same variables, in the same order, with the "
-            "same shapes and dtypes (build the model identically on every rank)."
-        ),
-    )
-)
-ALLTOALL = register_kind(
-    Kind(
-        4,
-        "alltoall",
-        (
-            "A compressed reduction (compression=...) needs the same tensors on every "
-            "rank; the ranks are reducing different gradients (build the model "
-            "identically on every rank) or use different compression settings."
-        ),
-    )
-)
-# (5 and 6: a save and its end, features/saving/write_point.py)
-FINALIZE = register_kind(Kind(7, "the end of the program", meeting=True))
-_REDUCE_ADVICE = ALLREDUCE.advice + " All ranks must also use the same reduction op."
-ALLREDUCE_MIN = register_kind(Kind(8, "allreduce (min)", _REDUCE_ADVICE))
-ALLREDUCE_MAX = register_kind(Kind(9, "allreduce (max)", _REDUCE_ADVICE))
-ALLREDUCE_PRODUCT = register_kind(Kind(10, "allreduce (product)", _REDUCE_ADVICE))
-REDUCESCATTER = register_kind(
-    Kind(
-        11,
-        "reducescatter",
-        "A reduce-scatter needs a tensor of one shape and dtype on every rank, "
-        "reduced with the same op.",
-    )
-)
-ALLTOALLV = register_kind(
-    Kind(
-        12,
-        "alltoall (splits)",
-        "Every rank must send tensors of one dtype whose shapes agree except along "
-        "the first axis, split in as many pieces as there are ranks.",
-    )
-)
-BARRIER = register_kind(Kind(13, "barrier", meeting=True))
-
-_DTYPES = [
-    np.dtype(t)
-    for t in (
-        np.float32,
-        np.float64,
-        np.int32,
-        np.int64,
-        np.float16,
-        np.bool_,
-        np.uint8,
-        np.int8,
-        np.int16,
-        np.uint16,
-        np.uint32,
-        np.uint64,
-        np.complex64,
-        np.complex128,
-    )
-]
-_DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
-
-_ANNOUNCE_TAG = 7
-
-# This process's preemption notice (0: none), and the agreements that carry it.
-_notices: dict[str, Any] = {"posted": 0, "live": weakref.WeakSet()}
 
 
 def post_notice(signum: int) -> None:
     """This rank received a preemption notice (signal ``signum``): every
     later agreement of every communicator carries it to the other ranks, who
-    learn it from the same collective (``Rendezvous.noticed``). The first
+    learn it from the same collective (``Agreement.noticed``). The first
     notice stays. Safe in a signal handler (it sets integers)."""
-    if not _notices["posted"]:
-        _notices["posted"] = signum
-        for rendezvous in list(_notices["live"]):
-            rendezvous.notice = signum
+    if not PROCESS.notice:
+        PROCESS.notice = signum
+        for agreement in list(PROCESS.agreements):
+            agreement.notice = signum
 
 
-def as_int64(handle: int) -> int:
-    """An MPI handle from mpi4py (MPICH's are ints that mpi4py may give
-    sign-extended as unsigned) as the signed 64-bit integer kernels take."""
-    return handle - (1 << 64) if handle >= 1 << 63 else handle
-
-
-def layout(shapes: Sequence[Shape], dtypes: Sequence[Any], tag: str = "") -> tuple[int, int, int]:
-    """(first dtype's code, elements, layout hash): the static part of a
-    signature (``signature``'s ``dtype`` given as a sequence), for kernels that
-    build it without Python."""
-    return _layout(tuple(tuple(int(d) for d in shape) for shape in shapes), tuple(dtypes), tag)
-
-
-def _dtype_code(dtype: Any) -> int:
-    dtype = np.dtype(dtype)
-    return _DTYPE_CODES.get(dtype, 1000 + dtype.num)
-
-
-def _dtype_name(code: int) -> str:
-    return _DTYPES[code].name if code < len(_DTYPES) else f"dtype#{code - 1000}"
-
-
-def signature(
-    seq: int,
-    kind: Kind,
-    dtype: Any,
-    shapes: Sequence[Shape],
-    rows: int = 0,
-    nbytes: int = 0,
-    tag: str = "",
-    solo: Kind | None = None,
-    token_step: int = 0,
-    notice: int = 0,
-) -> np.ndarray:
-    """The fixed-size description of a collective that every rank compares.
-
-    ``shapes``: the shapes that must agree (of each tensor packed into an
-    allreduce; of a broadcast tensor; of a row of each all_gathered tensor).
-    ``dtype``: one dtype, or one per shape (all_gather of several tensors).
-    ``tag``: text that must agree too (which save, of which path).
-    ``solo``: the partial meeting this rank is in without the other ranks.
-    ``token_step``: how far the ordering token moved since the previous collective.
-    ``notice``: this rank's preemption notice (a signal number; 0: none).
-    """
-    dtypes = tuple(dtype) if isinstance(dtype, (list, tuple)) else (dtype,)
-    code, count, layout = _layout(tuple(tuple(shape) for shape in shapes), dtypes, tag)
-    return np.array(
-        [
-            seq,
-            kind.code,
-            code,
-            count,
-            len(shapes),
-            layout,
-            solo.code if solo else 0,
-            token_step,
-            rows,
-            nbytes,
-            notice,
-        ],
-        np.int64,
-    )
-
-
-@functools.lru_cache(maxsize=4096)
-def _layout(
-    shapes: tuple[tuple[int, ...], ...], dtypes: tuple[Any, ...], tag: str
-) -> tuple[int, int, int]:
-    """(first dtype's code, elements, hash of shapes, dtypes and tag): the same few
-    collectives recur every step, so each is worked out once."""
-    ints = [tuple(int(d) for d in shape) for shape in shapes]
-    codes = [_dtype_code(d) for d in dtypes]
-    count = sum(math.prod(shape) for shape in ints)
-    return codes[0], count, zlib.crc32(repr((ints, codes, tag)).encode()) & 0x7FFFFFFF
-
-
-def _kind(code: int) -> Kind:
-    return _KINDS.get(int(code), Kind(int(code), f"collective kind {int(code)}"))
-
-
-def describe(signature: np.ndarray) -> str:
-    """What a signature means, in words (e.g. "allreduce of 10 float32 elements")."""
-    of = _kind(signature[Field.KIND])
-    kind, dtype = of.name, _dtype_name(int(signature[Field.DTYPE]))
-    if of.meeting:
-        return kind
-    if signature[Field.SOLO]:
-        kind = f"({_kind(signature[Field.SOLO]).solo_label}) " + kind
-    if of == ALLGATHER:
-        if signature[Field.TENSORS] != 1:
-            return (
-                f"all_gather of {signature[Field.TENSORS]} tensors ({signature[Field.ROWS]} rows, "
-                f"{signature[Field.COUNT]} elements per row in all)"
-            )
-        rows, count = signature[Field.ROWS], signature[Field.COUNT]
-        return f"all_gather of {rows} rows of {count} {dtype} elements"
-    packed = f" in {signature[Field.TENSORS]} tensors" if signature[Field.TENSORS] != 1 else ""
-    return f"{kind} of {signature[Field.COUNT]} {dtype} elements{packed}"
-
-
-_ORDER_ADVICE = (
-    "The ranks are running different collectives: every rank must run the same steps, "
-    "in the same order. Common causes: reading a metric or calling strategy.reduce / "
-    "gather on some ranks only (e.g. under `if rank == 0`), or ranks that build "
-    "different models or take different branches in Python."
-)
-_CONSTANT_ADVICE = (
-    "The ranks agree on this collective but assigned different constants before it "
-    "(since the previous collective of this communicator) to a variable whose "
-    "aggregation is ONLY_FIRST_REPLICA, such as optimizer.iterations. Such a constant "
-    "is not sent (a one-process program has one value for it): compute it the same "
-    "way on every rank, or assign a tensor (which rank 0 then sends to every rank)."
-)
-
-
-class Rendezvous:
+class Agreement:
     """Signature agreement (and, optionally, a timeout) for one communicator."""
 
     def __init__(
@@ -338,8 +102,8 @@ class Rendezvous:
         # meeting this rank is in live in ``state``, which compiled kernels
         # share (``State``).
         self.state = np.zeros(len(State), np.int64)
-        self.state[State.NOTICE] = _notices["posted"]
-        _notices["live"].add(self)
+        self.state[State.NOTICE] = PROCESS.notice
+        PROCESS.agreements.add(self)
         self.state[State.RECORD_BYTES] = record_bytes(self._size)
         self.state[State.CARRY_BYTES] = self.carry_bytes
         self.state[State.RANK], self.state[State.SIZE] = self._rank, self._size
@@ -347,11 +111,7 @@ class Rendezvous:
         self.hashed = self._size > protocol.HASHED_ABOVE
         self.state[State.HASHED] = int(self.hashed)
         self._hash_agreed = False  # the last exchange agreed by hash (no records gathered)
-        self._announce_comm = comm.Dup() if name_missing_ranks and self._size > 1 else None
-        if self._announce_comm is not None:  # freed with this object (not at exit)
-            weakref.finalize(self, self._announce_comm.Free).atexit = False
-        self._last_seen = np.zeros(self._size, np.int64)  # last collective each rank entered
-        self._sends: list[tuple[MPI.Request, np.ndarray]] = []
+        self._announcements = timeouts.Announcements(comm, name_missing_ranks)
         self._mismatch_error, self._timeout_error = mismatch_error, timeout_error
         self.solo_with: list[int] = []  # after a partial meeting: the ranks in the same one
         self.usable = True  # False once a timeout left a request pending
@@ -376,7 +136,7 @@ class Rendezvous:
     def solo(self) -> Kind | None:
         """The partial meeting this rank is in without the others (None: none)."""
         code = int(self.state[State.SOLO])
-        return _kind(code) if code else None
+        return kind_of(code) if code else None
 
     @solo.setter
     def solo(self, kind: Kind | None) -> None:
@@ -466,8 +226,9 @@ class Rendezvous:
         if token is not None:
             token_step = token - int(self.state[State.TOKEN])
             self.state[State.TOKEN] = token
+        solo = self.solo.code if self.solo else 0
         mine = signature(
-            self._seq, kind, dtype, shapes, rows, nbytes, tag, self.solo, token_step, self.notice
+            self._seq, kind.code, dtype, shapes, rows, nbytes, tag, solo, token_step, self.notice
         )
         everyone = self._exchange(mine, _data, shapes, timeout)
         agreed = (
@@ -492,7 +253,7 @@ class Rendezvous:
         are in a partial meeting the others are not, then raises if the ranks
         disagree."""
         while True:
-            partial = [_kind(code).partial for code in everyone[:, Field.KIND].tolist()]
+            partial = [kind_of(code).partial for code in everyone[:, Field.KIND].tolist()]
             differ = np.any(everyone[:, MUST_AGREE] != everyone[0, MUST_AGREE])
             if not (differ and any(partial)):
                 break
@@ -514,7 +275,7 @@ class Rendezvous:
         as ``agree`` does."""
         record = received[self._rank].copy()
         self.disagreed = []
-        kind = _kind(int(record[:SIGNATURE_BYTES].view(np.int64)[Field.KIND]))
+        kind = kind_of(int(record[:SIGNATURE_BYTES].view(np.int64)[Field.KIND]))
         self._settle(
             received[:, :SIGNATURE_BYTES].copy().view(np.int64),
             kind,
@@ -620,9 +381,10 @@ class Rendezvous:
         if timeout is None:
             start().Wait()
             return
-        self._announce()
-        self._wait(start(), mine, shapes, timeout)
-        self._collect_announcements()
+        self._announcements.announce(self._seq)
+        request = start()
+        timeouts.wait(request, timeout, lambda: self._timed_out(mine, shapes, timeout))
+        self._announcements.collect()
 
     # -- disagreement --------------------------------------------------------
     def _raise_disagreement(self, everyone: np.ndarray, shapes: Sequence[Shape]) -> None:
@@ -633,12 +395,12 @@ class Rendezvous:
                 " (same sizes, but the shapes or the parameters, such as a root rank, "
                 "differ between ranks)"
             )
-        kinds = [_kind(code) for code in dict.fromkeys(everyone[:, Field.KIND].tolist())]
+        kinds = [kind_of(code) for code in dict.fromkeys(everyone[:, Field.KIND].tolist())]
         self.disagreed = kinds
         blamed = [k.blame for k in kinds if k.blame]
-        solo = [_kind(code) for code in everyone[:, Field.SOLO].tolist() if code]
+        solo = [kind_of(code) for code in everyone[:, Field.SOLO].tolist() if code]
         if np.all(everyone[:, Field.KIND : Field.TOKEN] == everyone[0, Field.KIND : Field.TOKEN]):
-            advice = _CONSTANT_ADVICE  # only the tokens differ
+            advice = CONSTANT_ADVICE  # only the tokens differ
             by_rank = "; ".join(
                 f"rank {r}: {describe(s)} (ordering token moved by "
                 f"{s[Field.TOKEN]} since the previous collective)"
@@ -651,69 +413,24 @@ class Rendezvous:
         elif len(kinds) == 1 and kinds[0].advice:
             advice = kinds[0].advice
         else:
-            advice = _ORDER_ADVICE
+            advice = ORDER_ADVICE
         raise self._mismatch_error(
             f"mpi_strategy: ranks disagree in an MPI collective (collective "
             f"#{everyone[self._rank, Field.SEQ]} of this communicator; this is rank {self._rank}, "
-            f"shapes {_shapes_text(shapes)}). {by_rank}. {advice}"
+            f"shapes {shapes_text(shapes)}). {by_rank}. {advice}"
         )
 
     # -- timeout ---------------------------------------------------------------
-    def _announce(self) -> None:
-        if self._announce_comm is None:
-            return
-        MPI.Request.Waitall([req for req, _ in self._sends])  # small: long since delivered
-        seq = np.array([self._seq], np.int64)
-        self._sends = [
-            (self._announce_comm.Isend(seq, dest=r, tag=_ANNOUNCE_TAG), seq)
-            for r in range(self._size)
-            if r != self._rank
-        ]
-        self._last_seen[self._rank] = self._seq
-
-    def _collect_announcements(self) -> None:
-        if self._announce_comm is None:
-            return
-        status, seq = MPI.Status(), np.empty(1, np.int64)
-        while self._announce_comm.Iprobe(MPI.ANY_SOURCE, _ANNOUNCE_TAG, status):
-            self._announce_comm.Recv(seq, source=status.Get_source(), tag=_ANNOUNCE_TAG)
-            source = status.Get_source()
-            self._last_seen[source] = max(self._last_seen[source], seq[0])
-
-    def _missing(self) -> str:
-        if self._announce_comm is None:
-            return (
-                "some ranks never reached it (which ones is known when the timeout is "
-                "set for the whole strategy: MPIStrategy(communication_options="
-                "tf.distribute.experimental.CommunicationOptions(timeout_seconds=T)))"
-            )
-        self._collect_announcements()
-        missing = [r for r in range(self._size) if self._last_seen[r] < self._seq]
-        last = ", ".join(f"rank {r}: #{self._last_seen[r]}" for r in missing)
-        return f"rank(s) {missing} never reached it (the last collective they entered: {last})"
-
-    def _wait(
-        self, request: MPI.Request, mine: np.ndarray, shapes: Sequence[Shape], timeout: float
-    ) -> None:
-        deadline = time.monotonic() + timeout
-        pause = 0.0
-        while not request.Test():
-            if time.monotonic() > deadline:
-                self.usable = False
-                raise self._timeout_error(
-                    f"mpi_strategy: timeout after {timeout:g} s on rank {self._rank} in "
-                    f"{describe(mine)} (shapes {_shapes_text(shapes)}; "
-                    f"collective #{self._seq} of this communicator): {self._missing()}. "
-                    f"{_ORDER_ADVICE} "
-                    "The communicator cannot be used after this error; end the job and "
-                    "resume from the last checkpoint."
-                )
-            # Poll often at first (most waits are short), then back off to
-            # leave the cores to the ranks still computing.
-            time.sleep(pause)
-            pause = min(2 * pause + 1e-5, 1e-3)
-
-
-def _shapes_text(shapes: Sequence[Shape]) -> str:
-    text = ", ".join(str(tuple(int(d) for d in shape)) for shape in shapes[:4])
-    return text + (f", ... ({len(shapes)} in all)" if len(shapes) > 4 else "")
+    def _timed_out(self, mine: np.ndarray, shapes: Sequence[Shape], timeout: float) -> Exception:
+        """The error of a timeout in collective ``mine``; the communicator is
+        unusable from then on (a request is left pending)."""
+        self.usable = False
+        return self._timeout_error(
+            f"mpi_strategy: timeout after {timeout:g} s on rank {self._rank} in "
+            f"{describe(mine)} (shapes {shapes_text(shapes)}; "
+            f"collective #{self._seq} of this communicator): "
+            f"{self._announcements.missing(self._seq)}. "
+            f"{ORDER_ADVICE} "
+            "The communicator cannot be used after this error; end the job and "
+            "resume from the last checkpoint."
+        )

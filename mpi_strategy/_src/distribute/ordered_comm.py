@@ -11,11 +11,11 @@ is the same device TensorFlow uses for its own collectives (an ordering token
 passed to ``CollectiveReduceV2``).
 
 Inside each op, the ranks first agree on what the collective is
-(``rendezvous.py``): a mismatch raises the same error on every rank, and an
+(``agreement.py``): a mismatch raises the same error on every rank, and an
 optional timeout names the ranks that never arrived. These errors are raised
 in the op (on the kernels' error path, in Python too), so inside
 ``tf.function`` TensorFlow hands them to the caller as ``tf.errors`` classes
-(``errors.py`` says which). Data
+(``tf_errors.py`` says which). Data
 crosses MPI as raw buffers, never as pickles.
 """
 
@@ -30,9 +30,9 @@ import tensorflow as tf
 from mpi4py import MPI
 
 from mpi_strategy._src import _tf_internal
-from mpi_strategy._src.core.collectives import Collectives
+from mpi_strategy._src.core.agreement import Agreement, ErrorClass
+from mpi_strategy._src.core.collectives import ArrayCollectives
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
-from mpi_strategy._src.core.rendezvous import ErrorClass, Rendezvous
 from mpi_strategy._src.distribute.engines import (
     HOST,
     Collective,
@@ -40,7 +40,7 @@ from mpi_strategy._src.distribute.engines import (
     NativeEngine,
     PythonEngine,
 )
-from mpi_strategy._src.distribute.errors import CollectiveMismatchError, CollectiveTimeoutError
+from mpi_strategy._src.distribute.tf_errors import CollectiveMismatchError, CollectiveTimeoutError
 from mpi_strategy._src.native import engine as native_engine
 
 # Dtypes MPI can sum natively. float16 / bfloat16 are summed in float32 by the
@@ -81,7 +81,7 @@ class OrderedComm:
         make timeouts name the ranks that never arrived. ``mismatch_error``,
         ``timeout_error``: what a disagreement and a timeout raise (eager;
         see ``errors.py`` for inside ``tf.function``)."""
-        self.collectives = Collectives(comm, name_missing_ranks, mismatch_error, timeout_error)
+        self.collectives = ArrayCollectives(comm, name_missing_ranks, mismatch_error, timeout_error)
         self.comm: MPI.Intracomm = self.collectives.comm
         self.rank, self.size = self.collectives.rank, self.collectives.size
         self._token_variable: tf.Variable | None = None
@@ -120,9 +120,9 @@ class OrderedComm:
             )
 
     @property
-    def rendezvous(self) -> Rendezvous:
+    def agreement(self) -> Agreement:
         """The agreement every collective (and every meeting) of this communicator starts with."""
-        return self.collectives.rendezvous
+        return self.collectives.agreement
 
     @property
     def failed(self) -> bool:

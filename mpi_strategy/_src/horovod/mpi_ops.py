@@ -1,7 +1,7 @@
 """Horovod's collectives as TensorFlow ops, with Horovod's gradients.
 
 Each is one or more ordered ops of the process set's ``OrderedComm``
-(``distribute/ops.py``): eager or inside ``tf.function``, every rank gets the
+(``distribute/ordered_comm.py``): eager or inside ``tf.function``, every rank gets the
 same result, ranks that disagree raise ``MismatchError`` on every rank.
 Unlike Horovod, collectives are matched by program order, not by name:
 every rank of a process set issues its collectives in the same order.

@@ -10,34 +10,45 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
-from mpi_strategy._src.core import failure, rendezvous as rendezvous_lib
+from mpi_strategy._src.core import failure, kinds
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.distribute.strategy import newest_over_the_world
 
-_state = {"ended": False}
+
+@dataclass
+class AtExitState:
+    """The ranks' last meeting happened (``PROCESS.of``)."""
+
+    ended: bool = False
+
+
+def _state() -> AtExitState:
+    return PROCESS.of(AtExitState)
 
 
 def agree_on_the_end() -> None:
     """Meets the other ranks at the end of the program (once; see the module)."""
     strategy = newest_over_the_world()
-    if _state["ended"] or strategy is None:
+    if _state().ended or strategy is None:
         return
-    _state["ended"] = True
+    _state().ended = True
     ordered = strategy.extended.ordered_comm
     if (
         ordered.size == 1
-        or not ordered.rendezvous.usable
+        or not ordered.agreement.usable
         or ordered.failed
         or MPI.Is_finalized()
         or failure.aborting()
     ):
         return
     try:
-        ordered.collectives.guarded(ordered.rendezvous.agree)(rendezvous_lib.FINALIZE, np.uint8, [])
+        ordered.collectives.guarded(ordered.agreement.agree)(kinds.FINALIZE, np.uint8, [])
     except RanksLostError:
         return  # a rank died at the very end (ULFM): elastic training ends without it
     except MPIStrategyError as exc:
