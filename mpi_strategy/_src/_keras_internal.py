@@ -216,7 +216,7 @@ class OverriddenMethod(NamedTuple):
     checked: tuple[int, int]  # the newest Keras (major, minor) checked to call it so
 
 
-# horovod/keras.py: SyncBatchNormalization(keras.layers.BatchNormalization).
+# horovod/sync_batch_norm.py: SyncBatchNormalization(keras.layers.BatchNormalization).
 # Keras 3's BatchNormalization.call (training) takes the batch's moments from
 # this method, (inputs, mask) -> (mean, variance) over every axis but `axis`;
 # SyncBatchNormalization computes them over every rank instead.

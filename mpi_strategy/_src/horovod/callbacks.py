@@ -21,13 +21,13 @@ from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.horovod import basics
 from mpi_strategy._src.horovod.api import grouped_allreduce
 from mpi_strategy._src.horovod.functions import broadcast_variables
-from mpi_strategy._src.horovod.keras import (
+from mpi_strategy._src.horovod.mpi_ops import Average
+from mpi_strategy._src.horovod.optimizer import (
     default_keras_package,
     keras_module,
     keras_package,
     optimizer_variables,
 )
-from mpi_strategy._src.horovod.mpi_ops import Average
 
 
 @dataclass

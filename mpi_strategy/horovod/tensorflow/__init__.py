@@ -57,10 +57,6 @@ from mpi_strategy._src.horovod.gradients import (
     DistributedGradientTape,
     PartialDistributedGradientTape,
 )
-from mpi_strategy._src.horovod.keras import (
-    SyncBatchNormalization,
-    tensorflow_distributed_optimizer as DistributedOptimizer,
-)
 from mpi_strategy._src.horovod.mpi_ops import (
     Adasum,
     Average,
@@ -82,6 +78,10 @@ from mpi_strategy._src.horovod.mpi_ops import (
     rank_op,
     size_op,
 )
+from mpi_strategy._src.horovod.optimizer import (
+    tensorflow_distributed_optimizer as DistributedOptimizer,
+)
+from mpi_strategy._src.horovod.sync_batch_norm import SyncBatchNormalization
 from mpi_strategy.horovod.tensorflow import elastic, util
 from mpi_strategy.horovod.tensorflow.compression import Compression
 from mpi_strategy.horovod.tensorflow.util import _executing_eagerly

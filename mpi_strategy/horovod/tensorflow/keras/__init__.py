@@ -49,9 +49,6 @@ from mpi_strategy._src.horovod.basics import (
 )
 from mpi_strategy._src.horovod.compression import Compression
 from mpi_strategy._src.horovod.keras import (
-    DistributedOptimizer,
-    PartialDistributedOptimizer,
-    SyncBatchNormalization,
     allgather,
     allreduce,
     broadcast,
@@ -60,6 +57,8 @@ from mpi_strategy._src.horovod.keras import (
     reducescatter,
 )
 from mpi_strategy._src.horovod.mpi_ops import Average, Sum
+from mpi_strategy._src.horovod.optimizer import DistributedOptimizer, PartialDistributedOptimizer
+from mpi_strategy._src.horovod.sync_batch_norm import SyncBatchNormalization
 
 # (elastic last: it may build on what is above)
 from mpi_strategy.horovod.tensorflow.keras import callbacks, elastic
