@@ -295,8 +295,12 @@ def _ranks_of(checkpoints):
 
 
 def _pending_signals(pid):
-    with open(f"/proc/{pid}/status") as f:
-        status = dict(line.split(":", 1) for line in f if ":" in line)
+    """The signals pending for the process ``pid``, as a mask; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except FileNotFoundError:
+        return None
     return int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
 
 
@@ -329,8 +333,13 @@ def test_the_slurm_example_warned_before_its_time_limit_requeues_and_ends_as_if_
         assert code == 0, why
         deadline = time.monotonic() + 90  # two of slurmctld's 30 s rounds, and some
         term = 1 << (signal.SIGTERM - 1)
-        while not all(_pending_signals(pid) & term for pid in ranks):
-            assert time.monotonic() < deadline, (slurm.job(job), out_path.read_text()[-5000:])
+        while not all((_pending_signals(pid) or 0) & term for pid in ranks):
+            gone = [pid for pid in ranks if _pending_signals(pid) is None]
+            assert not gone and time.monotonic() < deadline, (
+                f"ranks gone: {gone}",
+                slurm.job(job),
+                out_path.read_text()[-5000:],
+            )
             time.sleep(0.25)
         warned = time.monotonic() - started
     finally:
