@@ -12,9 +12,18 @@ last rank) in a job that cannot finish its step (the last rank stalls) are
 followed by SIGKILL of every rank after a grace period, as a scheduler does:
 the last periodic checkpoint is complete and the job resumes from it.
 
-The job: the ``handler`` variant of tests/programs/resume_job.py. One chain of
-three launches per world size: [reference, A noticed], [A resumed, B noticed],
-[B resumed].
+At 2 ranks the chain also runs Keras fit: tf_keras ``BackupAndRestore(
+save_before_preemption=True)`` (SIGTERM on the last rank: every rank saves
+after the next step, exit 42, the relaunch resumes at that epoch and step
+with the uninterrupted run's weights and optimizer state there) and Keras 3
+``BackupAndRestore(save_freq=4)`` (no signal handling: SIGTERM ends the job,
+as it ends one process, and the relaunch resumes at the start of the epoch
+of the last backup, with that backup's state, as one process does).
+
+The job: the ``handler``, ``tfkeras`` and ``keras3`` variants of
+tests/programs/resume_job.py. One chain of launches per world size, each
+resuming the previous noticed run and running the next until its notice
+(2 ranks: 5 launches, 3 ranks: 3).
 """
 
 import contextlib
