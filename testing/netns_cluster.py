@@ -29,7 +29,10 @@ Each host resolves every host's name to its address: ``ip netns exec`` mounts
 over /etc/hosts. Without it a host's own name is looked up in DNS, whose
 server a namespace cannot reach: 20 s per lookup, which MPICH's ``mpiexec``
 makes at start (measured: ``mpiexec -n 1 true`` on a Slurm node took 20 s,
-30 s with ``-launcher fork``; 0.1 s with the names in hosts).
+30 s with ``-launcher fork``; 0.2 s with the names in hosts). Any other name
+fails at once (an empty ``/etc/netns/HOST/resolv.conf``): TensorFlow's
+PreemptionCheckpointHandler looks up Google's metadata server when it is
+built, 10 s on a host before.
 
 Needs root and iproute2. Names carry the creating process id, so leftovers of
 a killed run never collide with a new one and are removed by the next run.
@@ -233,7 +236,8 @@ class NetnsCluster:
         os.chmod(self.agent, 0o755)
 
     def _write_hosts_files(self):
-        """/etc/netns/HOST/hosts: the machine's lines, then every host's name."""
+        """/etc/netns/HOST/hosts: the machine's lines, then every host's name;
+        /etc/netns/HOST/resolv.conf: no name server (DNS fails at once)."""
         try:
             with open("/etc/hosts") as f:
                 machine = f.read()
@@ -244,6 +248,8 @@ class NetnsCluster:
             os.makedirs(os.path.join(_ETC_NETNS, host), exist_ok=True)
             with open(os.path.join(_ETC_NETNS, host, "hosts"), "w") as f:
                 f.write(f"{machine.rstrip()}\n# testing/netns_cluster.py\n{names}")
+            with open(os.path.join(_ETC_NETNS, host, "resolv.conf"), "w") as f:
+                f.write("# testing/netns_cluster.py: no DNS (the host's own 127.0.0.1)\n")
 
     def close(self):
         """Kills every process on the hosts and removes all namespaces and links.
