@@ -27,6 +27,8 @@ finished job stays visible to ``scontrol`` for ``wait``), ``cred_expire=15`` in
 ``AuthInfo`` (a requeued job may start again 16 s after the requeue, not
 Slurm's default 121 s: Slurm holds it while its node still refuses the old
 job credential; an earlier start there fails with "Job credential revoked"),
+``sched_interval=2`` (the scheduler's pass over pending jobs, which starts a
+job whose hold is over: 60 s by default),
 no accounting
 (``sacct`` has nothing). ``config`` adds or overrides lines (e.g.
 ``["RequeueExit=42"]``). ``MpiDefault=none``: say ``--mpi=pmi2``.
@@ -372,6 +374,9 @@ class SlurmCluster:
             "ReturnToService=2",
             "SlurmdParameters=config_overrides",
             "KillWait=5",
+            # A requeued job becomes eligible with time, which is no scheduling
+            # event: the scheduler's periodic pass (default every 60 s) starts it.
+            "SchedulerParameters=sched_interval=2",
             "JobRequeue=1",
             "MinJobAge=600",
             "InactiveLimit=0",
