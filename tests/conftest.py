@@ -77,10 +77,6 @@ def shared_dir(tmp_path):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers",
-        "slow: takes minutes for a reason its docstring gives (deselect with -m 'not slow')",
-    )
-    config.addinivalue_line(
         "markers", "single_process: runs only outside mpiexec (e.g. launches mpiexec itself)"
     )
     config.addinivalue_line(

@@ -304,7 +304,6 @@ def _pending_signals(pid):
     return int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
 
 
-@pytest.mark.slow
 def test_the_slurm_example_warned_before_its_time_limit_requeues_and_ends_as_if_uninterrupted(
     slurm, tmp_path, uninterrupted
 ):
@@ -315,10 +314,9 @@ def test_the_slurm_example_warned_before_its_time_limit_requeues_and_ends_as_if_
     from the limit's change until the SIGTERM is pending on every rank, then
     resumed, so the warning lands mid-run as it would in a long training.
 
-    Slow (128 s at load 7-8; cannot be under 2 minutes here): two starts of a
-    2-rank TensorFlow job under Slurm (~30 s each to step 50 under load),
-    slurmctld's time-limit round (up to 30 s after the limit changes), the
-    requeue hold (16 s with the test cluster's cred_expire=15)."""
+    44 s at load 1-3 (the scancel test: 35 s): two starts of a 2-rank
+    TensorFlow job, slurmctld's time-limit round (up to 30 s after the limit
+    changes), the requeue hold (16 s: the test cluster's cred_expire=15)."""
     started = time.monotonic()
     job, out_path, checkpoints = _submit_example(slurm, tmp_path, "timed")
     _wait_for_line(slurm, job, out_path, r"^step \d+:", timeout=600)
