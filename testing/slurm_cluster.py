@@ -23,7 +23,13 @@ The configuration (``slurm_conf()``): ``proctrack/linuxproc``, ``task/none``,
 ``cpus``, with ``SlurmdParameters=config_overrides``), one partition
 ``debug`` with ``OverSubscribe=YES``, ``KillWait=5`` (SIGKILL 5 s after the
 SIGTERM of a cancel or time limit), ``JobRequeue=1``, ``MinJobAge=600`` (a
-finished job stays visible to ``scontrol`` for ``wait``), no accounting
+finished job stays visible to ``scontrol`` for ``wait``), ``cred_expire=15`` in
+``AuthInfo`` (a requeued job may start again 16 s after the requeue, not
+Slurm's default 121 s: Slurm holds it while its node still refuses the old
+job credential; an earlier start there fails with "Job credential revoked"),
+``sched_interval=2`` (the scheduler's pass over pending jobs, which starts a
+job whose hold is over: 60 s by default),
+no accounting
 (``sacct`` has nothing). ``config`` adds or overrides lines (e.g.
 ``["RequeueExit=42"]``). ``MpiDefault=none``: say ``--mpi=pmi2``.
 
@@ -90,6 +96,9 @@ _PREFIX = "mpislurm"
 _DAEMONS = ("munged", "slurmctld", "slurmd")
 _OVER = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY")
 PACKAGES = "apt-get install slurm-wlm munge"
+# Seconds a job credential lives (AuthInfo cred_expire, default 120): also how
+# long Slurm holds a requeued job before it may start again.
+CRED_EXPIRE = 15
 
 
 class SlurmUnavailable(RuntimeError):
@@ -347,7 +356,7 @@ class SlurmCluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            f"AuthInfo=socket={self.munge_socket},cred_expire={CRED_EXPIRE}",
             f"StateSaveLocation={self._path('state')}",
             f"SlurmdSpoolDir={self._path('spool-%n')}",
             f"SlurmctldPidFile={self._path('slurmctld.pid')}",
@@ -365,6 +374,9 @@ class SlurmCluster:
             "ReturnToService=2",
             "SlurmdParameters=config_overrides",
             "KillWait=5",
+            # A requeued job becomes eligible with time, which is no scheduling
+            # event: the scheduler's periodic pass (default every 60 s) starts it.
+            "SchedulerParameters=sched_interval=2",
             "JobRequeue=1",
             "MinJobAge=600",
             "InactiveLimit=0",

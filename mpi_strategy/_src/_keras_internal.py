@@ -207,6 +207,23 @@ TF_KERAS_TRAINING_STATE = "tf_keras.src.distribute.worker_training_state"
 BACKUP_SUPPORTED_STRATEGIES = "_supported_strategies"
 
 
+class SaveBeforePreemption(NamedTuple):
+    """What tf_keras's ``WorkerTrainingState.__init__(model, checkpoint_dir,
+    save_freq, save_before_preemption_arg)`` sets when it enables
+    ``BackupAndRestore(save_before_preemption=True)`` (on Google Cloud with
+    MultiWorkerMirroredStrategy only); features/keras.py sets the same under
+    MPIStrategy. tf_keras's fit and ``BackupAndRestore`` read them."""
+
+    enabled: str  # WorkerTrainingState: checks for a notice after each batch, resumes mid-epoch
+    handler: str  # WorkerTrainingState: its PreemptionCheckpointHandler
+    model_handler: str  # the model: the handler whose watch_preemption_scope fit enters
+
+
+TF_KERAS_SAVE_BEFORE_PREEMPTION = SaveBeforePreemption(
+    "_enable_save_before_preemption", "preemption_handler", "_preemption_handler"
+)
+
+
 class OverriddenMethod(NamedTuple):
     """A private method of a Keras class that a class of mpi_strategy overrides."""
 

@@ -6,7 +6,10 @@ kill_step 0: no kill): a custom loop with a CheckpointManager, or Keras fit
 with BackupAndRestore, in WORKDIR/variant-name, where rank 1 SIGKILLs itself
 after step kill_step. Variant ``handler`` (tests/launchers/test_preemption.py):
 the custom loop under TensorFlow's PreemptionCheckpointHandler, with a
-preemption notice instead of kill_step (see ``preempted``).
+preemption notice instead of kill_step (see ``preempted``); variants
+``tfkeras`` (tf_keras fit with ``BackupAndRestore(save_before_preemption=True)``)
+and ``keras3`` (Keras 3 fit with ``BackupAndRestore(save_freq=CKPT_EVERY)``)
+take the same notice after a global step of fit (see ``backed_up``).
 Each rank prints REPORT lines (JSON) and rank 0 saves the final weights.
 Relaunched, a killed run resumes; the test shows that it ends with the
 weights of an uninterrupted run.
@@ -169,7 +172,7 @@ def keras(backup_dir, kill_step):
 
     class KillAt(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
+            self.epoch = int(epoch)
 
         def on_train_batch_end(self, batch, logs=None):
             if rank == 1 and self.epoch * BATCHES_PER_EPOCH + batch + 1 == kill_step:
@@ -188,14 +191,91 @@ def keras(backup_dir, kill_step):
     return model
 
 
+def _noticing(notice):
+    """(signal name, the ranks that send it, the global step after which) of a notice."""
+    signame, ranks, step = (notice.split("/") if notice != "0" else ["", "-1", "0"])[:3]
+    size = MPI.COMM_WORLD.Get_size()
+    return signame, {size - 1 if r == "last" else int(r) for r in ranks.split("+")}, int(step)
+
+
+def _examples():
+    n = BATCHES_PER_EPOCH * GLOBAL_BATCH  # the same examples every epoch, in order
+    i = np.arange(n, dtype=np.float32)
+    x = np.stack([np.sin(i), np.cos(i * 0.3), np.ones_like(i)], axis=1)
+    return x, (np.arange(n) % 5 * 0.2).astype(np.float32)
+
+
+def backed_up(variant, backup_dir, notice):
+    """Keras fit under BackupAndRestore, a notice (as in ``preempted``) after a
+    global step. ``tfkeras``: tf_keras with ``save_before_preemption=True`` (no
+    periodic backup); ``keras3``: Keras 3 backing up every CKPT_EVERY batches.
+    Reports where fit started (epoch, step); rank 0 keeps the weights and
+    optimizer variables fit started from (``<run>-start-<step>.npz``) and had
+    after each step (``<run>-at-<step>.npz``), in the first run that got there."""
+    keras = __import__("tf_keras" if variant == "tfkeras" else "keras")
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)]
+        )
+        deterministic_weights(model)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    if variant == "tfkeras":
+        backup = keras.callbacks.BackupAndRestore(
+            backup_dir, save_freq=False, save_before_preemption=True
+        )
+    else:
+        backup = keras.callbacks.BackupAndRestore(backup_dir, save_freq=CKPT_EVERY)
+    signame, noticing, notice_step = _noticing(notice)
+    name = os.path.basename(backup_dir)
+
+    def keep(when):  # (rank 0) the weights and the optimizer's variables, first run's
+        if rank == 0 and not os.path.exists(f"{backup_dir}-{when}.npz"):
+            state = [*model.get_weights(), *(v.numpy() for v in model.optimizer.variables)]
+            np.savez(f"{backup_dir}-{when}.npz", *state)
+
+    class Probe(keras.callbacks.Callback):  # (after `backup`: sees what it restored)
+        def on_train_begin(self, logs=None):
+            self.epoch = self.started = None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = int(epoch)
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.started is None:
+                self.started = self.epoch * BATCHES_PER_EPOCH + int(batch)
+                report(event="start", run=name, start_step=self.started, epoch=self.epoch)
+                keep(f"start-{self.started}")
+                atexit.register(lambda: report(event="exit", run=name, steps=self.steps))
+            self.steps = self.epoch * BATCHES_PER_EPOCH + batch + 1
+
+        def on_train_batch_end(self, batch, logs=None):
+            keep(f"at-{self.steps}")
+            if self.steps == notice_step and rank in noticing:
+                report(event="notice", step=self.steps, signal=signame)
+                os.kill(os.getpid(), getattr(signal, signame))
+
+    x, y = _examples()
+    model.fit(
+        x,
+        y,
+        batch_size=GLOBAL_BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[backup, Probe()],
+    )
+    return model
+
+
 # Each further argument is one run: variant:directory:kill_step (0: no kill).
 for run in sys.argv[6:]:
     variant, name, kill_step = run.split(":")
-    run_it = {"custom": custom, "keras": keras, "handler": preempted}[variant]
-    model = run_it(
-        os.path.join(WORKDIR, f"{variant}-{name}"),
-        kill_step if variant == "handler" else int(kill_step),
-    )
+    directory = os.path.join(WORKDIR, f"{variant}-{name}")
+    if variant in ("tfkeras", "keras3"):
+        model = backed_up(variant, directory, kill_step)
+    else:
+        run_it = {"custom": custom, "keras": keras, "handler": preempted}[variant]
+        model = run_it(directory, kill_step if variant == "handler" else int(kill_step))
     if rank == 0:
         np.savez(os.path.join(WORKDIR, f"{variant}-{name}.npz"), *model.get_weights())
     report(event="done", variant=variant, name=name)

@@ -17,9 +17,11 @@ munge (apt-get install slurm-wlm munge) or root; the 2-node tests also without
 network namespaces (then Slurm has one node).
 """
 
+import contextlib
 import json
 import os
 import re
+import signal
 import sys
 import time
 
@@ -210,40 +212,150 @@ def _trained_variables(checkpoint_dir):
     }
 
 
-def test_the_slurm_example_preempted_by_sigterm_requeues_itself_and_ends_as_if_uninterrupted(
-    slurm, tmp_path
-):
-    # ~25 ms a step (2 busy cores): 300 steps leave time for the notice at step 50.
-    steps = ["--steps", "300"]
-    out_path = tmp_path / "job.out"
-    env = {
-        **slurm.mpi_env(),
-        "CHECKPOINTS": str(tmp_path / "preempted"),
-        "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
-    }
+EXAMPLE_STEPS = ["--steps", "300"]  # ~25 ms a step (2 busy cores): the notices land mid-run
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The example's final variables after an uninterrupted ``mpiexec -n 2`` run
+    (one reference for both preemption tests)."""
+    reference = tmp_path_factory.mktemp("uninterrupted")
+    example = os.path.join(PREEMPTIBLE, "train.py")
+    argv = [sys.executable, example, "--checkpoint-dir", str(reference), *EXAMPLE_STEPS]
+    started = time.monotonic()
+    code, out = run_mpiexec(2, argv, silence=180, env={"PYTHONPATH": _pythonpath()})
+    print(f"uninterrupted reference run: {time.monotonic() - started:.1f} s")
+    assert code == 0, out[-5000:]
+    return _trained_variables(reference)
+
+
+def _pythonpath():
+    return os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+
+
+def _submit_example(slurm, tmp_path, name):
+    """examples/slurm/train.sbatch (unchanged), checkpoints in tmp_path/name."""
+    out_path = tmp_path / f"{name}.out"
+    env = {**slurm.mpi_env(), "CHECKPOINTS": str(tmp_path / name), "PYTHONPATH": _pythonpath()}
     with open(os.path.join(PREEMPTIBLE, "train.sbatch")) as f:
-        job = slurm.sbatch(f.read(), ["-D", REPO, "-o", str(out_path)], env, script_args=steps)
-    _wait_for_line(slurm, job, out_path, r"^step \d+:", timeout=600)
-    slurm.scancel(job, signal="TERM", batch=True)  # the notice, to the batch script
+        job = slurm.sbatch(
+            f.read(), ["-D", REPO, "-o", str(out_path)], env, script_args=EXAMPLE_STEPS
+        )
+    return job, out_path, env["CHECKPOINTS"]
+
+
+def _requeued_and_completed(slurm, job, out_path, checkpoints, uninterrupted, **update):
+    """The job requeued itself once after saving; started again after Slurm's
+    hold (``CRED_EXPIRE`` + 1 s here), with the ``scontrol update`` fields
+    ``update`` made while it waited; completed with the uninterrupted run's
+    variables. Returns the step the second run started at."""
     requeued = slurm.wait(job, timeout=600, until=("PENDING", "COMPLETED", "FAILED", "CANCELLED"))
     assert (requeued.state, requeued.restarts) == ("PENDING", 1), (requeued, out_path.read_text())
-    # Slurm holds a requeued job for 120 s (its EligibleTime, measured): not to wait here.
-    code, why = slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
-    assert code == 0, why
+    if update:
+        fields = [f"{k}={v}" for k, v in update.items()]
+        code, why = slurm.run(["scontrol", "update", f"JobId={job}", *fields])
+        assert code == 0, why
     info = slurm.wait(job, timeout=600)
     out = out_path.read_text()
     assert (info.state, info.exit_code, info.restarts) == ("COMPLETED", 0, 1), (info, out[-5000:])
     # The first run exited with 42 (the script says so only then) and the job requeued itself.
-    assert out.count(f"preempted: checkpoint saved in {env['CHECKPOINTS']}; requeueing") == 1, out
+    assert out.count(f"preempted: checkpoint saved in {checkpoints}; requeueing") == 1, out
     starts = [int(s) for s in re.findall(r"^starting at step (\d+) of 300$", out, re.M)]
     assert len(starts) == 2 and starts[0] == 0 and 50 <= starts[1] < 300, out[-5000:]
-
-    reference = tmp_path / "uninterrupted"
-    example = os.path.join(PREEMPTIBLE, "train.py")
-    argv = [sys.executable, example, "--checkpoint-dir", str(reference), *steps]
-    code, ref_out = run_mpiexec(2, argv, silence=180, env={"PYTHONPATH": env["PYTHONPATH"]})
-    assert code == 0, ref_out[-5000:]
-    got, want = _trained_variables(env["CHECKPOINTS"]), _trained_variables(reference)
-    assert got.keys() == want.keys() and len(want) > 2, (got.keys(), want.keys())
-    for name, value in want.items():
+    got = _trained_variables(checkpoints)
+    assert got.keys() == uninterrupted.keys() and len(got) > 2, (got.keys(), uninterrupted.keys())
+    for name, value in uninterrupted.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
+    return starts[1]
+
+
+def test_the_slurm_example_preempted_by_sigterm_requeues_itself_and_ends_as_if_uninterrupted(
+    slurm, tmp_path, uninterrupted
+):
+    started = time.monotonic()
+    job, out_path, checkpoints = _submit_example(slurm, tmp_path, "preempted")
+    _wait_for_line(slurm, job, out_path, r"^step \d+:", timeout=600)
+    slurm.scancel(job, signal="TERM", batch=True)  # the notice, to the batch script
+    _requeued_and_completed(slurm, job, out_path, checkpoints, uninterrupted)
+    print(f"scancel --signal=TERM job: {time.monotonic() - started:.1f} s")
+
+
+def _ranks_of(checkpoints):
+    """The pids of the example's ranks that save to ``checkpoints``."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if os.path.basename(argv[0]).startswith("python") and checkpoints in argv:
+            found.append(int(entry))
+    return found
+
+
+def _pending_signals(pid):
+    """The signals pending for the process ``pid``, as a mask; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except FileNotFoundError:
+        return None
+    return int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
+
+
+def test_the_slurm_example_warned_before_its_time_limit_requeues_and_ends_as_if_uninterrupted(
+    slurm, tmp_path, uninterrupted
+):
+    """The time limit shortened to end mid-run (``scontrol update TimeLimit``):
+    Slurm's warning (``--signal=B:USR1@120`` in train.sbatch) reaches the batch
+    shell, whose trap hands SIGTERM to mpiexec. slurmctld looks at time limits
+    every 30 s, longer than the 300 steps take: the ranks are paused (SIGSTOP)
+    from the limit's change until the SIGTERM is pending on every rank, then
+    resumed, so the warning lands mid-run as it would in a long training.
+
+    44 s at load 1-3 (the scancel test: 35 s): two starts of a 2-rank
+    TensorFlow job, slurmctld's time-limit round (up to 30 s after the limit
+    changes), the requeue hold (16 s: the test cluster's cred_expire=15)."""
+    started = time.monotonic()
+    job, out_path, checkpoints = _submit_example(slurm, tmp_path, "timed")
+    _wait_for_line(slurm, job, out_path, r"^step \d+:", timeout=600)
+    ranks = _ranks_of(checkpoints)
+    assert len(ranks) == 2, ranks
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        ran = _seconds(slurm.job(job).fields["RunTime"])
+        # Ends 60-120 s from now: within the 120 s of the warning, time to save.
+        code, why = slurm.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={ran // 60 + 2}"])
+        assert code == 0, why
+        deadline = time.monotonic() + 90  # two of slurmctld's 30 s rounds, and some
+        term = 1 << (signal.SIGTERM - 1)
+        while not all((_pending_signals(pid) or 0) & term for pid in ranks):
+            gone = [pid for pid in ranks if _pending_signals(pid) is None]
+            assert not gone and time.monotonic() < deadline, (
+                f"ranks gone: {gone}",
+                slurm.job(job),
+                out_path.read_text()[-5000:],
+            )
+            time.sleep(0.25)
+        warned = time.monotonic() - started
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    # The requeued run gets the script's 30 minutes again.
+    resumed_at = _requeued_and_completed(
+        slurm, job, out_path, checkpoints, uninterrupted, TimeLimit="30"
+    )
+    print(
+        f"time-limit job: warned after {warned:.1f} s, resumed at step {resumed_at}, "
+        f"{time.monotonic() - started:.1f} s"
+    )
+
+
+def _seconds(run_time):
+    """Seconds in Slurm's [D-]HH:MM:SS."""
+    days, _, clock = run_time.rpartition("-")
+    h, m, s = (int(p) for p in clock.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + s

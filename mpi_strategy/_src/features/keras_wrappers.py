@@ -10,7 +10,9 @@ What the wrappers below do, for models whose strategy is an MPIStrategy
   every rank and sees the same logs, so all ranks decide alike; the files
   they write are written once per filesystem (``features/saving``);
 * tf_keras's redirection of non-chief writes to temporary directories is
-  off: every rank names the real path, and the write points decide who writes.
+  off: every rank names the real path, and the write points decide who writes;
+* tf_keras's ``BackupAndRestore(save_before_preemption=True)`` works (tf_keras
+  enables it on Google Cloud only): TensorFlow's PreemptionCheckpointHandler.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from mpi_strategy._src._keras_internal import BACKUP_SUPPORTED_STRATEGIES
+from mpi_strategy._src._keras_internal import (
+    BACKUP_SUPPORTED_STRATEGIES,
+    TF_KERAS_SAVE_BEFORE_PREEMPTION,
+)
 from mpi_strategy._src.distribute.strategy import MPIStrategy
 
 
@@ -85,15 +90,43 @@ def callback_list_init_wrapper(
 
 def training_state_init_wrapper(original_init: Callable[..., None]) -> Callable[..., None]:
     """tf_keras's ``WorkerTrainingState.__init__``: under MPIStrategy every rank
-    saves the chief's backup (a write point), not a temporary copy."""
+    saves the chief's backup (a write point), not a temporary copy; and
+    ``BackupAndRestore(save_before_preemption=True)``, which tf_keras enables
+    on Google Cloud with MultiWorkerMirroredStrategy only, is on: TensorFlow's
+    PreemptionCheckpointHandler over that one backup, on every rank
+    (``features/preemption``: a notice on any rank, every rank saves after the
+    same step and exits with 42; restarted, fit goes on from the next step)."""
 
     @functools.wraps(original_init)
-    def __init__(self: Any, model: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, model, *args, **kwargs)
-        if isinstance(model.distribute_strategy, MPIStrategy):
-            self.write_checkpoint_manager = self.read_checkpoint_manager
+    def __init__(
+        self: Any,
+        model: Any,
+        checkpoint_dir: str,
+        save_freq: Any = "epoch",
+        save_before_preemption_arg: Any = None,
+    ) -> None:
+        if not isinstance(model.distribute_strategy, MPIStrategy):
+            original_init(self, model, checkpoint_dir, save_freq, save_before_preemption_arg)
+            return
+        # (tf_keras would not enable it here; built below, over the chief's backup)
+        original_init(self, model, checkpoint_dir, save_freq, None)
+        self.write_checkpoint_manager = self.read_checkpoint_manager
+        if save_before_preemption_arg:
+            _save_before_preemption(self, model)
 
     return __init__
+
+
+def _save_before_preemption(state: Any, model: Any) -> None:
+    """What tf_keras's ``WorkerTrainingState`` sets up when it supports the
+    platform, with the one backup every rank restores and saves. The handler
+    restores that backup now (epoch, batch and weights)."""
+    handler = tf.distribute.experimental.PreemptionCheckpointHandler(
+        model.distribute_strategy.cluster_resolver, state.read_checkpoint_manager
+    )
+    setattr(state, TF_KERAS_SAVE_BEFORE_PREEMPTION.enabled, True)
+    setattr(state, TF_KERAS_SAVE_BEFORE_PREEMPTION.handler, handler)
+    setattr(model, TF_KERAS_SAVE_BEFORE_PREEMPTION.model_handler, handler)
 
 
 def file_util_wrapper(original: Callable[..., Any], name: str) -> Callable[..., Any]:
