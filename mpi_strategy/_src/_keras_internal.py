@@ -211,7 +211,7 @@ class SaveBeforePreemption(NamedTuple):
     """What tf_keras's ``WorkerTrainingState.__init__(model, checkpoint_dir,
     save_freq, save_before_preemption_arg)`` sets when it enables
     ``BackupAndRestore(save_before_preemption=True)`` (on Google Cloud with
-    MultiWorkerMirroredStrategy only); features/keras.py sets the same under
+    MultiWorkerMirroredStrategy only); features/keras_wrappers.py sets the same under
     MPIStrategy. tf_keras's fit and ``BackupAndRestore`` read them."""
 
     enabled: str  # WorkerTrainingState: checks for a notice after each batch, resumes mid-epoch
