@@ -35,7 +35,7 @@ SILENCE = DEFAULT_SILENCE
     [(3, 1, "auto"), (2, 2, "python")],
     ids=["3ranks", "2ranks-x-2devices-python-engine"],
 )
-def test_suite_under_mpiexec(ranks, local_devices, kernels, tmp_path, request):
+def test_suite_under_mpiexec(ranks, local_devices, kernels, tmp_path, capsys):
     started = time.monotonic()
     arrivals = []  # when each line of output came: the longest gap is printed
     code, out = run_mpiexec(
@@ -66,7 +66,7 @@ def test_suite_under_mpiexec(ranks, local_devices, kernels, tmp_path, request):
         f"longest gap between two lines of output: {max(gaps, default=0):.1f} s "
         f"(a launch is killed after {SILENCE:g} s without any output)"
     )
-    _report_time(request, f"{ranks} ranks x {local_devices}", time.monotonic() - started, out)
+    _report_time(capsys, f"{ranks} ranks x {local_devices}", time.monotonic() - started, out)
     assert code == 0, f"mpiexec -n {ranks} (x{local_devices} devices) failed:\n{out[-20000:]}"
     reports = {}
     for rank in range(ranks):
@@ -78,12 +78,16 @@ def test_suite_under_mpiexec(ranks, local_devices, kernels, tmp_path, request):
     assert reports[0][0] == 0 and reports[0][1] > 0, reports
 
 
-_DURATION = re.compile(r"^([0-9.]+)s (?:setup|call|teardown) +(tests/[^:]+)")
+# "[0] 1.23s call     tests/...::test" (MPICH's -prepend-rank; Open MPI's
+# --tag-output writes "[1,0]<stdout>: ...")
+_DURATION = re.compile(
+    r"^(?:\[[\d,]+\](?:<stdout>:)?\s*)?([0-9.]+)s (?:setup|call|teardown) +(tests/[^:]+)"
+)
 
 
-def _report_time(request, launch, seconds, out):
+def _report_time(capsys, launch, seconds, out):
     """Prints, even when the launch passes, where its time went: the seconds
-    per test module (the slowest rank's), so that CI's log shows what to cut."""
+    per test module (the mean over ranks), so that CI's log shows what to cut."""
     per_rank_module = collections.Counter()
     for line in out.splitlines():
         found = _DURATION.match(line)
@@ -91,8 +95,8 @@ def _report_time(request, launch, seconds, out):
             per_rank_module[found[2]] += float(found[1])
     per_module = {m: t / int(launch.split()[0]) for m, t in per_rank_module.items()}
     slowest = sorted(per_module.items(), key=lambda kv: -kv[1])[:8]
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    reporter.write_line(
-        f"\n[{launch}] {seconds:.0f} s in all; slowest modules (mean over ranks): "
-        + ", ".join(f"{os.path.basename(m)} {t:.0f} s" for m, t in slowest)
-    )
+    with capsys.disabled():  # (pytest shows a passing test's output nowhere)
+        print(
+            f"\n[{launch}] {seconds:.0f} s in all; slowest modules (mean over ranks): "
+            + ", ".join(f"{os.path.basename(m)} {t:.0f} s" for m, t in slowest)
+        )
