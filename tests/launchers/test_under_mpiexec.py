@@ -66,7 +66,7 @@ def test_suite_under_mpiexec(ranks, local_devices, kernels, tmp_path, capsys):
         f"longest gap between two lines of output: {max(gaps, default=0):.1f} s "
         f"(a launch is killed after {SILENCE:g} s without any output)"
     )
-    _report_time(capsys, f"{ranks} ranks x {local_devices}", time.monotonic() - started, out)
+    _report_time(capsys, ranks, local_devices, time.monotonic() - started, out)
     assert code == 0, f"mpiexec -n {ranks} (x{local_devices} devices) failed:\n{out[-20000:]}"
     reports = {}
     for rank in range(ranks):
@@ -85,7 +85,7 @@ _DURATION = re.compile(
 )
 
 
-def _report_time(capsys, launch, seconds, out):
+def _report_time(capsys, ranks, local_devices, seconds, out):
     """Prints, even when the launch passes, where its time went: the seconds
     per test module (the mean over ranks), so that CI's log shows what to cut."""
     per_rank_module = collections.Counter()
@@ -93,10 +93,11 @@ def _report_time(capsys, launch, seconds, out):
         found = _DURATION.match(line)
         if found:  # every rank prints its list; they interleave
             per_rank_module[found[2]] += float(found[1])
-    per_module = {m: t / int(launch.split()[0]) for m, t in per_rank_module.items()}
+    per_module = {m: t / ranks for m, t in per_rank_module.items()}
     slowest = sorted(per_module.items(), key=lambda kv: -kv[1])[:8]
     with capsys.disabled():  # (pytest shows a passing test's output nowhere)
         print(
-            f"\n[{launch}] {seconds:.0f} s in all; slowest modules (mean over ranks): "
+            f"\n[{ranks} ranks x {local_devices}] {seconds:.0f} s in all; "
+            "slowest modules (mean over ranks): "
             + ", ".join(f"{os.path.basename(m)} {t:.0f} s" for m, t in slowest)
         )

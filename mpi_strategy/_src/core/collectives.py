@@ -136,16 +136,6 @@ class ArrayCollectives:
         return timed
 
     # -- collectives -----------------------------------------------------------
-    def allreduce_sum(
-        self,
-        arrays: Arrays,
-        shapes: Sequence[Shape] | None = None,
-        timeout: float | None = None,
-        token: int = 0,
-    ) -> list[np.ndarray]:
-        """``allreduce`` with ``op="sum"``."""
-        return self.allreduce(arrays, "sum", shapes, timeout, token)
-
     def allreduce(
         self,
         arrays: Arrays,
