@@ -1,4 +1,6 @@
-"""Real data: scikit-learn's digits reach >= 95% test accuracy at 1, 2 and 3 ranks alike."""
+"""Real data: Keras ``fit`` on the shipped digits (examples/digits_cnn.py) reaches
+>= 95% test accuracy at 1 and 3 ranks alike (3: an odd world size, uneven
+shares; 2 ranks train the same digits in tests/integration/test_examples.py)."""
 
 import json
 import os
@@ -13,9 +15,9 @@ EXAMPLE = os.path.join(REPO, "examples", "digits_cnn.py")
 
 
 @pytest.mark.single_process
-def test_digits_cnn_accuracy_at_every_world_size():
+def test_digits_cnn_reaches_the_same_accuracy_at_one_and_three_ranks():
     accuracies = {}
-    for ranks in (1, 2, 3):
+    for ranks in (1, 3):
         code, out = run_mpiexec(ranks, [sys.executable, EXAMPLE], silence=240)
         assert code == 0, out[-5000:]
         line = next(s for s in out.splitlines() if '"test_accuracy"' in s)
