@@ -1,6 +1,11 @@
 """The agreement (core/agreement.py, core/protocol.py) carries a rank's
 preemption notice to every rank: all ranks learn it from the same collective,
-on both engines and both ways of agreeing, without an MPI call of its own."""
+on both engines and both ways of agreeing, without an MPI call of its own.
+
+The agreement's other duty, that ranks calling different collectives (or
+late past a timeout) all raise, is tested through OrderedComm in
+distribute/test_ordered_comm.py; at 40 ranks (records that shrink):
+tests/launchers/core/test_agreement_at_scale.py."""
 
 import signal
 

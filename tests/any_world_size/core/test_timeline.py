@@ -1,5 +1,6 @@
-"""The opt-in timeline (mpi_strategy/_src/core/timeline.py): every collective, per rank,
-split into waiting for the other ranks and transferring; off, nothing changes."""
+"""The opt-in timeline (core/timeline.py, public as mpi_strategy.timeline): every
+collective, per rank, split into waiting for the other ranks and transferring;
+off, nothing changes."""
 
 import os
 import socket

@@ -1,6 +1,6 @@
 """core/validation.py: misuse is reported clearly, on every rank.
 
-Misuse that needs a program of its own: tests/launchers/test_validation_launched.py.
+Misuse that needs a program of its own: tests/launchers/core/test_validation_launched.py.
 """
 
 import pytest

@@ -1,4 +1,5 @@
-"""mpi_strategy.compression: 16-bit wire reductions, at any world size."""
+"""distribute/compression.py (public as mpi_strategy.compression): 16-bit wire
+reductions, at any world size."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,5 @@
-"""The central promise: N ranks train exactly like MirroredStrategy on N devices.
+"""The central promise of distribute/strategy.py: N ranks train exactly like
+MirroredStrategy on N devices.
 
 Each rank trains the same small Keras model twice from identical initial
 weights on identical data with the same global batch: once with MPIStrategy

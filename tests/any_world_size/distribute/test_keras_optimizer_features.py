@@ -1,4 +1,5 @@
-"""Keras 3 optimizer features that synchronize replicas inside a tf.cond, under MPIStrategy.
+"""Keras 3 optimizer features that synchronize replicas inside a tf.cond, under MPIStrategy
+(distribute/strategy.py: a replica that synchronizes without merge_call).
 
 ``gradient_accumulation_steps`` applies the all-reduced gradients in one branch
 of a ``tf.cond`` every k-th step; ``use_ema`` with ``ema_overwrite_frequency``

@@ -1,5 +1,6 @@
-"""distribute/ordered_comm.py and engines.py: ordered MPI collectives as TF ops,
-at any world size."""
+"""distribute/ordered_comm.py and distribute/engines.py: ordered MPI collectives as
+TF ops, at any world size, and the agreement before each (core/agreement.py,
+core/kinds.py): ranks that call different collectives all raise."""
 
 import re
 import time

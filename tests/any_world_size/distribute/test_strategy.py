@@ -1,4 +1,5 @@
-"""MPIStrategy's replica semantics, at any world size and any local device count.
+"""MPIStrategy's replica semantics (distribute/strategy.py, distribute/cluster_resolver.py),
+at any world size and any local device count.
 
 Expected values are written as closed forms over all replicas of all ranks;
 where TensorFlow's behaviour is the reference, the same computation runs on a

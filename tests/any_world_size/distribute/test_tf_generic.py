@@ -1,4 +1,5 @@
-"""TensorFlow's own generic strategy tests (strategy_test_lib, shipped in the wheel).
+"""TensorFlow's own generic strategy tests (strategy_test_lib, shipped in the wheel)
+against distribute/strategy.py.
 
 They run against MPIStrategy on every rank of the launch. Left out:
 ``_test_minimize_loss_graph`` and ``_test_numpy_dataset`` (TF1 sessions; MPIStrategy

@@ -1,4 +1,5 @@
-"""Keras fit / evaluate / predict and callbacks under MPIStrategy (Keras 3 and tf_keras).
+"""features/keras_wrappers.py: Keras fit / evaluate / predict and callbacks under
+MPIStrategy (Keras 3 and tf_keras).
 
 N ranks give the history, evaluation, predictions and weights of Keras under
 MirroredStrategy on N devices (within 1e-4), identical on every rank; output

@@ -1,11 +1,11 @@
-"""TensorFlow's PreemptionCheckpointHandler in one process per rank, with an
-``exit_fn`` that returns (so the test sees what the ranks decided): a SIGTERM
-on the last rank makes every rank save at the same step and call exit_fn
-there; with a ``grace_period`` every rank saves at once, trains on, and saves
-and exits again at the same later step, once the grace period is over.
+"""features/preemption.py: TensorFlow's PreemptionCheckpointHandler in one process
+per rank, with an ``exit_fn`` that returns (so the test sees what the ranks
+decided): a SIGTERM on the last rank makes every rank save at the same step and
+call exit_fn there; with a ``grace_period`` every rank saves at once, trains on,
+and saves and exits again at the same later step, once the grace period is over.
 
 The launched jobs (restart status, resuming bit for bit, other signals):
-tests/launchers/test_preemption.py."""
+tests/launchers/features/test_preemption.py."""
 
 import signal
 import time

@@ -1,8 +1,9 @@
-"""Horovod's elastic API (``hvd.elastic``, ``mpi_strategy.horovod.tensorflow.elastic`` and
-``.keras.elastic``) at any world size: the states' commit, restore and sync, the
-reset loop of ``hvd.elastic.run`` (a lost rank simulated: the ULFM calls are
-replaced by a duplicate of the communicator), and the Keras callbacks. The test
-that kills a rank: tests/launchers/test_elastic.py (Open MPI 5 with ULFM)."""
+"""horovod/elastic.py: Horovod's elastic API (``hvd.elastic``,
+``mpi_strategy.horovod.tensorflow.elastic`` and ``.keras.elastic``) at any world
+size: the states' commit, restore and sync, the reset loop of
+``hvd.elastic.run`` (a lost rank simulated: the ULFM calls are replaced by a
+duplicate of the communicator), and the Keras callbacks. The test that kills a
+rank: tests/launchers/features/elastic/test_elastic.py (Open MPI 5 with ULFM)."""
 
 import numpy as np
 import pytest

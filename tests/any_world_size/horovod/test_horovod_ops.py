@@ -1,4 +1,5 @@
-"""Horovod's TensorFlow collectives (mpi_strategy.horovod.tensorflow), at any world size.
+"""Horovod's TensorFlow collectives (mpi_strategy.horovod.tensorflow), at any world size:
+horovod/mpi_ops.py, api.py, functions.py, gradients.py, basics.py (process sets).
 
 Every rank's input is a known function of its rank, so each result is
 checked against numpy on every rank: eager, inside tf.function, and in a

@@ -1,9 +1,10 @@
-"""The native engine (compiled kernels) against the numpy one: the same bits,
-the same messages, and ranks on different engines meeting in one collective.
+"""native/engine.py and native/kernels/: the native engine (compiled kernels)
+against the numpy one: the same bits, the same messages, and ranks on different
+engines meeting in one collective.
 
-test_mpi_ops.py runs each collective's own tests on both engines; here the two
-engines' results are compared with each other, bit for bit, on random data
-whose sums depend on the order of operations.
+distribute/test_ordered_comm.py runs each collective's own tests on both
+engines; here the two engines' results are compared with each other, bit for
+bit, on random data whose sums depend on the order of operations.
 """
 
 import re

@@ -1,4 +1,5 @@
-"""The core's agreement and collectives at 40 ranks (oversubscribed, no TensorFlow).
+"""core/agreement.py, core/protocol.py and core/collectives.py at 40 ranks
+(oversubscribed, no TensorFlow).
 
 Beyond 32 ranks the agreement record shrinks (``protocol.record_bytes``);
 no other test runs more than 4 ranks. 130 ranks were run by hand

@@ -1,4 +1,5 @@
-"""CommunicationOptions(timeout_seconds=T): a collective that some rank never reaches.
+"""core/timeouts.py: CommunicationOptions(timeout_seconds=T), a collective that some
+rank never reaches.
 
 The program: tests/programs/metric_read_on_rank_0_only.py.
 """

@@ -1,4 +1,5 @@
-"""TensorFlow's PreemptionCheckpointHandler under MPIStrategy, unchanged.
+"""TensorFlow's PreemptionCheckpointHandler under MPIStrategy, unchanged
+(features/preemption.py; tf_keras' BackupAndRestore: features/keras_wrappers.py).
 
 A preemption notice on one rank (a signal it sends itself after a known step:
 SIGTERM, TensorFlow's default, on rank 0 (2 ranks) or on the last rank (3);

@@ -1,4 +1,5 @@
-"""``python -m mpi_strategy.horovod``: Horovod programs run unchanged."""
+"""``python -m mpi_strategy.horovod`` (mpi_strategy/horovod/__main__.py,
+horovod/aliases.py): Horovod programs run unchanged."""
 
 import os
 import re

@@ -1,6 +1,7 @@
-"""The native kernels are built at first use into a cache, and chosen by
-``MPI_STRATEGY_KERNELS``: without a compiler the Python engine runs, with one
-line on rank 0 saying why; asked for explicitly, their absence fails every rank."""
+"""native/build.py and native/engine.py: the native kernels are built at first use
+into a cache, and chosen by ``MPI_STRATEGY_KERNELS``: without a compiler the
+Python engine runs, with one line on rank 0 saying why; asked for explicitly,
+their absence fails every rank."""
 
 import os
 import subprocess

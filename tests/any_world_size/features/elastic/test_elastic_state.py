@@ -1,6 +1,7 @@
-"""Elastic training's State (mpi_strategy.elastic), at any world size: commits
-and restores, and what elastic.run lets through. The tests that kill ranks:
-tests/launchers/test_elastic.py."""
+"""features/elastic/state.py and run.py (public as mpi_strategy.elastic): elastic
+training's State, at any world size: commits and restores, and what elastic.run
+lets through. The tests that kill ranks:
+tests/launchers/features/elastic/test_elastic.py."""
 
 import numpy as np
 import pytest

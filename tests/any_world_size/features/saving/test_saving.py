@@ -1,4 +1,5 @@
-"""Saving as a one-process program does: every rank makes the same call.
+"""features/saving/ (calls.py, write_point.py): saving as a one-process program
+does, every rank making the same call.
 
 Each TensorFlow and Keras API that writes, called on every rank with the same
 path, leaves one complete copy (written by rank 0; the other ranks write
@@ -11,7 +12,7 @@ the others wait in a barrier), is written once, and leaves in the directory
 only what one process writes.
 
 Saving at the end of a program and a kill during a write:
-tests/launchers/test_saving_launched.py.
+tests/launchers/features/saving/test_saving_launched.py.
 """
 
 import errno

@@ -1,8 +1,8 @@
-"""Process-wide effects act only on this library's work (docs/concepts.md,
-"Process-wide effects"): in a process that holds a multi-rank MPIStrategy, a
-save that belongs to another strategy (made in its scope, or of objects it
-built) writes on its own, on every rank that makes it, with no MPI call; one
-of this library's saves still meets.
+"""effects.py and features/saving/write_point.py: process-wide effects act only on
+this library's work (docs/concepts.md, "Process-wide effects"): in a process
+that holds a multi-rank MPIStrategy, a save that belongs to another strategy
+(made in its scope, or of objects it built) writes on its own, on every rank
+that makes it, with no MPI call; one of this library's saves still meets.
 """
 
 import contextlib

@@ -1,4 +1,4 @@
-"""Elastic training (mpi_strategy.elastic): lost ranks do not end the job.
+"""features/elastic/ (public as mpi_strategy.elastic): lost ranks do not end the job.
 
 The tests that kill ranks need an MPI with User-Level Failure Mitigation:
 MPI_STRATEGY_TEST_ULFM_MPIRUN names Open MPI 5's mpirun (CI sets it to the
@@ -8,7 +8,7 @@ tests/programs/ulfm_uncaught_error.py and tests/programs/horovod_elastic.py
 (the first and the last also through tests/programs/killed_during_recovery.py,
 the first also through tests/programs/replacements_awaited.py).
 The State tests, which run at any world size:
-tests/any_world_size/test_elastic_state.py.
+tests/any_world_size/features/elastic/test_elastic_state.py.
 """
 
 import json

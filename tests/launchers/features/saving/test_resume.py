@@ -1,4 +1,6 @@
-"""Kill one rank mid-training, relaunch: training resumes and loses nothing.
+"""Kill one rank mid-training, relaunch: training resumes and loses nothing
+(features/saving/: checkpoints saved by every rank, written once, restored
+everywhere).
 
 A 2-rank job is killed (SIGKILL of rank 1, at a step chosen at random by the
 test and printed) and relaunched with the same command. The relaunched job

@@ -1,11 +1,12 @@
-"""Saving, in programs of their own: at the end of a program, and killed mid-write.
+"""features/saving/ and features/at_exit.py, in programs of their own: saving at the
+end of a program, and killed mid-write.
 
 Rank 0 saving alone while the other ranks end their program works, or (when
 the save needs them) fails with the cause instead of hanging
 (tests/programs/save_at_the_end_of_the_program.py). A process SIGKILLed in
 the middle of a checkpoint write leaves the latest checkpoint usable
 (tests/programs/keep_saving_checkpoints.py). The saves made by every rank of
-a running job: tests/any_world_size/test_saving.py.
+a running job: tests/any_world_size/features/saving/test_saving.py.
 """
 
 import os
