@@ -39,7 +39,8 @@ def run_example(script, args):
     "script,args,expected",
     [
         ("keras_fit.py", ["--epochs", "1"], "test loss"),
-        # Without ULFM or a failure it is a plain run (the kills: tests/launchers/test_elastic.py).
+        # Without ULFM or a failure it is a plain run (the kills:
+        # tests/launchers/features/elastic/test_elastic.py).
         ("elastic_custom_loop.py", ["--steps", "20"], '"ranks_at_start": 2, "ranks_at_end": 2'),
         ("elastic_keras_fit.py", ["--epochs", "2"], '"ranks_at_start": 2, "ranks_at_end": 2'),
     ],
@@ -96,8 +97,8 @@ def test_paper_workload_trains_on_two_ranks(script):
 
 # -- the --data readers, on tiny files in the real formats -----------------------
 # They run once, outside mpiexec: the readers involve no MPI, and the last test
-# checks what Keras hands to the strategy (tests/any_world_size/test_strategy.py checks the
-# all-gather of IndexedSlices at every world size).
+# checks what Keras hands to the strategy (tests/any_world_size/distribute/test_strategy.py
+# checks the all-gather of IndexedSlices at every world size).
 
 
 def _batches(dataset, parse, size=100):

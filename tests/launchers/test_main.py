@@ -1,4 +1,5 @@
-"""``python -m mpi_strategy``: the first command to run on a new cluster."""
+"""``python -m mpi_strategy`` (mpi_strategy/__main__.py): the first command to run on a
+new cluster."""
 
 import sys
 

@@ -27,8 +27,9 @@ SILENCE = DEFAULT_SILENCE
 # them (else the Python engine, on a machine with only Python and pip), and 2
 # ranks x 2 devices with the Python engine (MPI_STRATEGY_KERNELS=python). 2
 # ranks x 1 device adds no case of its own: CI runs the core modules so under
-# the oldest TensorFlow (.ci/oldest), and a launch costs minutes. test_mpi_ops
-# and test_native compare the two engines within every launch that has both.
+# the oldest TensorFlow (.ci/oldest), and a launch costs minutes.
+# test_ordered_comm and test_native compare the two engines within every launch
+# that has both.
 @pytest.mark.single_process
 @pytest.mark.parametrize(
     "ranks,local_devices,kernels",

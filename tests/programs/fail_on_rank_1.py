@@ -1,4 +1,4 @@
-"""Run by tests/launchers/test_failure.py on 2 ranks: ``python fail_on_rank_1.py CASE``.
+"""Run by tests/launchers/core/test_failure.py on 2 ranks: ``python fail_on_rank_1.py CASE``.
 
 Trains step after step; rank 1 alone raises, in the place CASE names: inside
 the compiled step (``in_step``: a ``tf.debugging.Assert`` in the replica

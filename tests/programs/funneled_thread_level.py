@@ -1,4 +1,4 @@
-"""Run by tests/launchers/test_validation_launched.py in one process.
+"""Run by tests/launchers/core/test_validation_launched.py in one process.
 
 MPI is initialised with MPI_THREAD_FUNNELED only, then MPIStrategy() is
 built. The test shows that it fails, explaining which thread support it got

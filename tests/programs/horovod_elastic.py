@@ -1,4 +1,4 @@
-"""Run by tests/launchers/test_elastic.py under ULFM: Horovod's elastic API
+"""Run by tests/launchers/features/elastic/test_elastic.py under ULFM: Horovod's elastic API
 (``hvd.elastic.run``, ``TensorFlowKerasState``) with ranks SIGKILLed mid-training.
 
 Every rank trains the same model on the same batch with Horovod's

@@ -1,4 +1,4 @@
-"""Run by tests/launchers/test_saving_launched.py in one process:
+"""Run by tests/launchers/features/saving/test_saving_launched.py in one process:
 ``python keep_saving_checkpoints.py DIR``.
 
 Writes 16 MB checkpoints to DIR with a CheckpointManager, one after another,

@@ -1,4 +1,4 @@
-"""Run by tests/launchers/test_elastic.py under ULFM: another program, with one
+"""Run by tests/launchers/features/elastic/test_elastic.py under ULFM: another program, with one
 rank of the launch SIGKILLed in the middle of the first recovery.
 
     python tests/programs/killed_during_recovery.py RANK PROGRAM [ARGS...]

@@ -1,4 +1,5 @@
-"""Run by tests/launchers/test_timeout.py on 3 ranks: ``python metric_read_on_rank_0_only.py T``.
+"""Run by tests/launchers/core/test_timeouts.py on 3 ranks:
+``python metric_read_on_rank_0_only.py T``.
 
 MPIStrategy with ``CommunicationOptions(timeout_seconds=T)``: rank 0 reads a
 Keras metric (a collective) that ranks 1 and 2 never reach (they sleep).

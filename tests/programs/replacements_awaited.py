@@ -1,4 +1,4 @@
-"""Run by tests/launchers/test_elastic.py under ULFM: an elastic program whose
+"""Run by tests/launchers/features/elastic/test_elastic.py under ULFM: an elastic program whose
 survivors, at each commit, wait for the replacements to be ready before they
 decide, so that the replacements join at the first commit after the recovery
 however long TensorFlow takes to start on a busy machine.

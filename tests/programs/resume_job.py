@@ -1,10 +1,10 @@
-"""Run by tests/launchers/test_resume.py (2 ranks) and test_preemption.py (2, 3):
+"""Run by tests/launchers/features/saving/test_resume.py (2 ranks) and test_preemption.py (2, 3):
 ``python resume_job.py WORKDIR STEPS CKPT_EVERY EPOCHS BATCHES_PER_EPOCH RUN...``.
 
 Each RUN is ``variant:name:kill_step`` (variant ``custom`` or ``keras``;
 kill_step 0: no kill): a custom loop with a CheckpointManager, or Keras fit
 with BackupAndRestore, in WORKDIR/variant-name, where rank 1 SIGKILLs itself
-after step kill_step. Variant ``handler`` (tests/launchers/test_preemption.py):
+after step kill_step. Variant ``handler`` (tests/launchers/features/test_preemption.py):
 the custom loop under TensorFlow's PreemptionCheckpointHandler, with a
 preemption notice instead of kill_step (see ``preempted``); variants
 ``tfkeras`` (tf_keras fit with ``BackupAndRestore(save_before_preemption=True)``)

@@ -1,4 +1,4 @@
-"""Run by tests/launchers/test_saving_launched.py on 2 ranks:
+"""Run by tests/launchers/features/saving/test_saving_launched.py on 2 ranks:
 ``python save_at_the_end_of_the_program.py DIR weights|metric``.
 
 Rank 0 alone saves a checkpoint while the other ranks end their program.

@@ -1,9 +1,9 @@
-"""Run by tests/launchers/test_elastic.py under ULFM: rank ``--rank`` raises an uncaught
-error at step ``--step``; the others must not wait for it. ``--elastic``: the
-loop runs inside elastic.run (the others go on without the rank), else the job
-ends with a non-zero status. ``--killed-before-strategy``: the rank is SIGKILLed
-before MPIStrategy() (the job ends, status 1). Rank 0 of the end prints one
-JSON line."""
+"""Run by tests/launchers/features/elastic/test_elastic.py under ULFM: rank
+``--rank`` raises an uncaught error at step ``--step``; the others must not wait
+for it. ``--elastic``: the loop runs inside elastic.run (the others go on
+without the rank), else the job ends with a non-zero status.
+``--killed-before-strategy``: the rank is SIGKILLed before MPIStrategy() (the
+job ends, status 1). Rank 0 of the end prints one JSON line."""
 
 import argparse
 import json

@@ -1,4 +1,4 @@
-"""Run by tests/launchers/test_validation_launched.py on 2 ranks.
+"""Run by tests/launchers/core/test_validation_launched.py on 2 ranks.
 
 Rank r builds MPIStrategy over r + 1 devices (rank 0 one, rank 1 two). Each
 rank prints the error it gets; the test shows that both ranks raise, naming

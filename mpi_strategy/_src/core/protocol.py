@@ -11,7 +11,7 @@ are built, and the loader refuses a library whose compiled constants
 (``mpi_strategy_protocol()`` in it) differ from ``fingerprint()``.
 
 What cannot be a constant is written once per engine and held equal by the
-engine-equivalence tests (tests/any_world_size/test_native.py): the order in
+engine-equivalence tests (tests/any_world_size/native/test_native.py): the order in
 which carried data is reduced (rank 0 first), the hash (``hash_of``), packing
 several tensors (``PACK_ALIGN``) and the all-gather layout (``PIECE_ALIGN``).
 """

@@ -22,7 +22,7 @@ the additions is the MPI library's: at 2 ranks and with MPICH's algorithms the
 sums are bit-identical to the unbucketed ones, while Open MPI at 3 or more
 ranks picks its algorithm by message size, so a bucketed sum may differ from
 the unbucketed one in the last bit (every rank still gets the same bits;
-``tests/any_world_size/test_fusion.py`` checks both).
+``tests/any_world_size/distribute/test_fusion.py`` checks both).
 """
 
 from __future__ import annotations

@@ -1,0 +1,75 @@
+"""features/elastic/state.py and run.py (public as mpi_strategy.elastic): elastic
+training's State, at any world size: commits and restores, and what elastic.run
+lets through. The tests that kill ranks:
+tests/launchers/features/elastic/test_elastic.py."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import mpi_strategy
+from mpi_testing import mpi_strategy_under_test
+
+
+def _model_and_optimizer(strategy):
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2)])
+        optimizer = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+    return model, optimizer
+
+
+def _step(strategy, model, optimizer):
+    def replica_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(tf.ones([2, 3])) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    strategy.run(tf.function(replica_step))
+
+
+def test_state_commits_and_restores_variables_slots_and_values():
+    strategy = mpi_strategy_under_test()
+    model, optimizer = _model_and_optimizer(strategy)
+    state = mpi_strategy.elastic.State(model, optimizer, step=0)
+    # run() builds the optimizer's slots before the first commit, so a rollback
+    # to it resets them (here by hand: no failure to recover from).
+    mpi_strategy._src.features.elastic.run._build_optimizers(strategy, (model, optimizer))
+    state.commit()
+    start = [v.numpy() for v in model.variables + optimizer.variables]
+    for _ in range(3):
+        _step(strategy, model, optimizer)
+        state.step += 1
+    state.commit()
+    after_three = [v.numpy() for v in model.variables + optimizer.variables]
+    _step(strategy, model, optimizer)
+    state.step = 99
+    state.restore()  # the newest commit
+    assert state.step == 3
+    for v, want in zip(model.variables + optimizer.variables, after_three):
+        np.testing.assert_array_equal(v.numpy(), want)
+    state.restore(1)  # the older one: momentum and iterations back to zero too
+    assert state.step == 0 and state.commit_number == 1
+    for v, want in zip(model.variables + optimizer.variables, start):
+        np.testing.assert_array_equal(v.numpy(), want)
+    with pytest.raises(mpi_strategy.MPIStrategyError, match="commit #2 is not held"):
+        state.restore(2)  # dropped by the rollback
+
+
+def test_run_returns_and_lets_other_errors_through():
+    strategy = mpi_strategy_under_test()
+    model, optimizer = _model_and_optimizer(strategy)
+    state = mpi_strategy.elastic.State(model, optimizer, step=0)
+    calls = []
+
+    @mpi_strategy.elastic.run(strategy, state)
+    def train(state, fail):
+        calls.append(state.step)
+        if fail:
+            raise ValueError("not a lost rank")
+        return "done"
+
+    assert train(False) == "done" and state.commit_number == 1
+    with pytest.raises(ValueError, match="not a lost rank"):
+        train(True)
+    assert calls == [0, 0]  # no retry

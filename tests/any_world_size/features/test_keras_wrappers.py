@@ -1,0 +1,199 @@
+"""features/keras_wrappers.py: Keras fit / evaluate / predict and callbacks under
+MPIStrategy (Keras 3 and tf_keras).
+
+N ranks give the history, evaluation, predictions and weights of Keras under
+MirroredStrategy on N devices (within 1e-4), identical on every rank; output
+and files come from rank 0 only.
+"""
+
+import importlib
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from mpi_testing import (
+    NUM_REPLICAS,
+    RANK,
+    assert_same_on_all_ranks,
+    computed_on_rank0,
+    reference_strategy,
+)
+
+KERASES = ["keras", "tf_keras"]
+FEATURES, CLASSES = 6, 4
+# Keras reduces the first batch element-wise to build the model, which needs
+# equal pieces per replica (MirroredStrategy fails otherwise too); the last
+# batch is ragged.
+BATCH = 4 * NUM_REPLICAS
+EXAMPLES = 3 * BATCH + BATCH // 2 + 1
+
+_rng = np.random.default_rng(3)
+X = _rng.normal(size=(EXAMPLES, FEATURES)).astype(np.float32)
+Y = _rng.integers(0, CLASSES, EXAMPLES).astype(np.int64)
+X_VAL, Y_VAL = X[: BATCH + 5], Y[: BATCH + 5]  # first batch full, last one ragged
+
+
+@pytest.fixture(scope="module", params=KERASES)
+def K(request):
+    return importlib.import_module(request.param)
+
+
+def build(K, strategy, steps_per_execution=1):
+    with strategy.scope():
+        model = K.Sequential(
+            [
+                K.Input((FEATURES,)),
+                K.layers.Dense(16, activation="relu"),
+                K.layers.Dense(CLASSES),
+            ]
+        )
+        model.set_weights(
+            [
+                np.sin(np.arange(w.size) + 1.0).reshape(w.shape).astype(np.float32) * 0.3
+                for w in model.get_weights()
+            ]
+        )
+        model.compile(
+            optimizer=K.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+            loss=K.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy", K.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")],
+            steps_per_execution=steps_per_execution,
+        )
+    return model
+
+
+def fit_evaluate_predict(K, strategy, input_kind, steps_per_execution, steps_per_epoch):
+    model = build(K, strategy, steps_per_execution)
+    if input_kind == "numpy":
+        train = dict(x=X, y=Y, batch_size=BATCH, shuffle=False)
+        val = (X_VAL, Y_VAL)
+    else:
+        train = dict(x=tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH).repeat())
+        val = tf.data.Dataset.from_tensor_slices((X_VAL, Y_VAL)).batch(BATCH)
+    history = model.fit(
+        **train, epochs=3, steps_per_epoch=steps_per_epoch, validation_data=val, verbose=0
+    ).history
+    evaluation = model.evaluate(X, Y, batch_size=BATCH, verbose=0)
+    predictions = model.predict(X, batch_size=BATCH, verbose=0)
+    return history, np.array(evaluation), predictions, model.get_weights()
+
+
+@pytest.mark.parametrize(
+    "input_kind,steps_per_execution,steps_per_epoch",
+    [
+        ("numpy", 1, None),  # ragged last batch every epoch
+        ("dataset", 3, 5),  # steps_per_execution > 1, steps_per_epoch on a repeated dataset
+    ],
+)
+def test_fit_evaluate_predict_match_mirrored(
+    K, strategy, input_kind, steps_per_execution, steps_per_epoch
+):
+    got = fit_evaluate_predict(K, strategy, input_kind, steps_per_execution, steps_per_epoch)
+    want = computed_on_rank0(
+        lambda: fit_evaluate_predict(
+            K, reference_strategy(), input_kind, steps_per_execution, steps_per_epoch
+        )
+    )
+    history, evaluation, predictions, weights = got
+    assert set(history) == set(want[0]) and "val_top2" in history
+    for key in history:
+        np.testing.assert_allclose(history[key], want[0][key], rtol=1e-4, atol=1e-5, err_msg=key)
+        assert_same_on_all_ranks(np.array(history[key]), key)
+    np.testing.assert_allclose(evaluation, want[1], rtol=1e-4, atol=1e-5)
+    # predict: every row, in input order, on every rank.
+    assert predictions.shape == (EXAMPLES, CLASSES)
+    np.testing.assert_allclose(predictions, want[2], rtol=1e-4, atol=1e-5)
+    assert_same_on_all_ranks(predictions, "predictions")
+    for w, ref in zip(weights, want[3]):
+        np.testing.assert_allclose(w, ref, rtol=1e-4, atol=1e-5)
+    assert history["loss"][-1] < history["loss"][0]
+
+
+def test_output_from_rank0_and_files_written_once(K, strategy, shared_dir, capsys):
+    model = build(K, strategy)
+    weights = "ckpt.weights.h5" if K.__name__ == "keras" else "ckpt.h5"
+    callbacks = [  # the same paths on every rank, as one process would use
+        K.callbacks.CSVLogger(os.path.join(shared_dir, "log.csv")),
+        K.callbacks.ModelCheckpoint(os.path.join(shared_dir, weights), save_weights_only=True),
+        K.callbacks.TensorBoard(os.path.join(shared_dir, "tb")),
+        # Runs on every rank and decides the same everywhere (same logs).
+        K.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0),
+    ]
+    history = model.fit(
+        X, Y, batch_size=BATCH, epochs=5, shuffle=False, verbose=1, callbacks=callbacks
+    )
+    printed = capsys.readouterr().out
+    if RANK == 0:
+        assert "Epoch 1/5" in printed
+    else:
+        assert "Epoch" not in printed, printed
+    # Complete on every rank when fit returns, and written by rank 0 alone.
+    assert sorted(os.listdir(shared_dir)) == sorted(["log.csv", weights, "tb"])
+    with open(os.path.join(shared_dir, "log.csv")) as f:
+        assert len(f.read().splitlines()) == 1 + 2
+    events = [f for _, _, files in os.walk(os.path.join(shared_dir, "tb")) for f in files]
+    assert len({name.split(".")[-3] for name in events}) == 1, events  # one writer pid
+    assert len(history.history["loss"]) == 2  # stopped by EarlyStopping everywhere
+    assert_same_on_all_ranks(np.array(len(history.history["loss"])), "epochs run")
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_backup_and_restore_resumes_to_the_uninterrupted_result(K, strategy, shared_dir):
+    epochs = 4
+    uninterrupted = build(K, strategy)
+    uninterrupted.fit(X, Y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+
+    backup_dir = os.path.join(shared_dir, f"backup-{K.__name__}")
+
+    class InterruptMidEpoch(K.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self._epoch == 2 and batch == 2:
+                raise _Interrupt()  # on every rank at the same step, like a job kill
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._epoch = epoch
+
+    first = build(K, strategy)
+    with pytest.raises(_Interrupt):
+        first.fit(
+            X,
+            Y,
+            batch_size=BATCH,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            callbacks=[K.callbacks.BackupAndRestore(backup_dir), InterruptMidEpoch()],
+        )
+
+    resumed = build(K, strategy)
+    history = resumed.fit(
+        X,
+        Y,
+        batch_size=BATCH,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=[K.callbacks.BackupAndRestore(backup_dir)],
+    )
+    assert len(history.history["loss"]) == epochs - 2  # epochs 0 and 1 were restored
+    assert not [f for _, _, files in os.walk(backup_dir) for f in files]  # deleted after fit
+    for got, want in zip(resumed.get_weights(), uninterrupted.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert_same_on_all_ranks(got, "resumed weight")
+
+
+def test_model_save_from_every_rank_lands_once(K, strategy, shared_dir):
+    model = build(K, strategy)
+    model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0)
+    path = os.path.join(shared_dir, f"model-{K.__name__}.keras")
+    model.save(path)  # on every rank, as one process would: written once
+    restored = K.models.load_model(path)
+    np.testing.assert_allclose(
+        restored.predict(X, verbose=0), model.predict(X, verbose=0), rtol=1e-5, atol=1e-6
+    )
+    assert sorted(os.listdir(shared_dir)) == [os.path.basename(path)]

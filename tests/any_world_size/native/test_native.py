@@ -1,0 +1,255 @@
+"""native/engine.py and native/kernels/: the native engine (compiled kernels)
+against the numpy one: the same bits, the same messages, and ranks on different
+engines meeting in one collective.
+
+distribute/test_ordered_comm.py runs each collective's own tests on both
+engines; here the two engines' results are compared with each other, bit for
+bit, on random data whose sums depend on the order of operations.
+"""
+
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
+from mpi_strategy._src.native import engine as native_engine
+from mpi_strategy.errors import CollectiveMismatchError
+from mpi_testing import (
+    RANK,
+    SIZE,
+    WORLD,
+    assert_same_on_all_ranks,
+    gather_from_all_ranks,
+    mpi_calls,
+    on_python_engine,
+    ordered_comm,
+)
+
+pytestmark = [
+    pytest.mark.device_agnostic,
+    pytest.mark.skipif(SIZE == 1, reason="a 1-rank world calls no collective"),
+]
+
+
+@pytest.fixture(scope="module", params=["gathered", "hashed"])
+def protocol(request):
+    """How the ranks agree: by gathering every rank's record, or (as above
+    protocol.HASHED_ABOVE ranks) by comparing a hash."""
+    return request.param
+
+
+def _ordered_comm(protocol):
+    ordered = ordered_comm(hashed=protocol == "hashed")
+    if "native" not in ordered.engines:
+        pytest.skip("the native kernels are not in use (MPI_STRATEGY_KERNELS)")
+    return ordered
+
+
+@pytest.fixture(scope="module")
+def engines(protocol):
+    """(native, numpy) OrderedComms agreeing by ``protocol``."""
+    return _ordered_comm(protocol), on_python_engine(_ordered_comm(protocol))
+
+
+def _both(engines, fn, in_function):
+    """``fn(ordered)`` on the native and on the numpy engine, as numpy arrays."""
+    results = []
+    for ordered in engines:
+        call = tf.function(lambda o=ordered: fn(o)) if in_function else (lambda o=ordered: fn(o))
+        results.append([np.asarray(t) for t in tf.nest.flatten(call())])
+    return results
+
+
+def _assert_same_bits(native, python):
+    assert len(native) == len(python)
+    for a, b in zip(native, python):
+        assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+        assert a.tobytes() == b.tobytes(), (a.ravel()[:8], b.ravel()[:8])
+
+
+def _random(shape, dtype):
+    rng = np.random.default_rng(1000 + RANK)
+    if dtype.is_floating:
+        values = rng.normal(size=shape) * 10.0 ** rng.integers(-3, 4, size=shape)
+    else:
+        values = rng.integers(-100 if dtype.min < 0 else 0, 100, size=shape)
+    return tf.constant(values, dtype)
+
+
+DTYPES = [tf.float32, tf.float64, tf.int32, tf.int64, tf.int8, tf.uint8, tf.uint16, tf.uint64]
+ELEMENTS = {"carried": 5, "sent": 20000}
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("size", sorted(ELEMENTS))
+@pytest.mark.parametrize("op", ["sum", "min", "max", "product"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_allreduce_gives_the_same_bits_on_both_engines(engines, dtype, op, size, in_function):
+    x = _random([ELEMENTS[size]], dtype)
+    native, python = _both(engines, lambda o: o.allreduce_packed([x], op), in_function)
+    _assert_same_bits(native, python)
+    assert_same_on_all_ranks(native[0], "the reduction")
+
+
+@pytest.mark.parametrize(
+    "shapes", [[[3], [2, 2], []], [[70000], [3, 30000]]], ids=["packed", "large"]
+)
+def test_several_tensors_give_the_same_bits_on_both_engines(engines, shapes):
+    # Small tensors are concatenated by TensorFlow first; large ones reach
+    # the kernel as several inputs.
+    xs = [_random(shape, tf.float32) for shape in shapes]
+    native, python = _both(engines, lambda o: o.allreduce_packed(xs, "sum"), True)
+    _assert_same_bits(native, python)
+
+
+@pytest.mark.parametrize("size", sorted(ELEMENTS))
+def test_broadcast_gives_the_same_bits_on_both_engines(engines, size):
+    for root in range(SIZE):
+        x = _random([ELEMENTS[size]], tf.float64)
+        native, python = _both(engines, lambda o, r=root, x=x: o.broadcast(x, root=r), True)
+        _assert_same_bits(native, python)
+        assert_same_on_all_ranks(native[0], f"the broadcast from rank {root}")
+
+
+@pytest.mark.parametrize("rows", [1, 500], ids=["carried", "sent"])
+def test_allgather_gives_the_same_bits_on_both_engines(engines, rows):
+    # Rows differ per rank (rank 1 sends none), dtypes per tensor; a scalar too.
+    xs = [
+        _random([rows * (RANK + 1) * (RANK != 1), 3], tf.float32),
+        _random([RANK + 1], tf.int8),
+        tf.constant(RANK, tf.int64),
+    ]
+    native, python = _both(engines, lambda o: o.allgather_many(xs), True)
+    _assert_same_bits(native, python)
+    assert native[0].shape == (rows * sum((r + 1) * (r != 1) for r in range(SIZE)), 3)
+
+
+@pytest.mark.parametrize("rows", [1, 700], ids=["small", "large"])
+@pytest.mark.parametrize("op", ["sum", "max"])
+@pytest.mark.parametrize("width", [3, 0])
+def test_reducescatter_gives_the_same_bits_on_both_engines(engines, rows, op, width):
+    # Uneven shares when rows % SIZE != 0: the first ranks one row more.
+    x = _random([rows * SIZE + SIZE // 2, width], tf.float32)
+    native, python = _both(engines, lambda o: o.reducescatter(x, op), True)
+    _assert_same_bits(native, python)
+    assert native[0].shape[0] == rows + (1 if RANK < SIZE // 2 else 0)
+
+
+def test_alltoall_and_barrier_give_the_same_bits_on_both_engines(engines):
+    x = _random([SIZE, 1000], tf.int64)
+    native, python = _both(engines, lambda o: (o.alltoall(x), o.barrier()), True)
+    _assert_same_bits(native, python)
+    everyone = gather_from_all_ranks(x.numpy())
+    np.testing.assert_array_equal(native[0], everyone[:, RANK])
+
+
+def test_the_kernels_run_every_collective_but_the_alltoall_with_splits(engines):
+    native = engines[0]
+    x = tf.ones([SIZE, 2])
+
+    @tf.function
+    def step():
+        native.allreduce_sum(x)
+        native.broadcast(x)
+        native.allgather(x)
+        native.alltoall(x)
+        native.reducescatter(x)
+        native.barrier()
+        native.alltoallv(x, tf.ones([SIZE], tf.int32))
+
+    graph = step.get_concrete_function().graph
+    assert [op.type for _, op in mpi_calls(graph)] == [
+        "MpiStrategyAllreduce",
+        "MpiStrategyBroadcast",
+        "MpiStrategyAllgather",
+        "MpiStrategyAlltoall",
+        "MpiStrategyReducescatter",
+        "MpiStrategyBarrier",
+        "PyFunc",
+    ]
+    step()
+
+
+def test_ranks_on_different_engines_meet_in_the_same_collectives(protocol):
+    # Odd ranks run the numpy engine, even ones the kernels: same bytes on the wire.
+    ordered = _ordered_comm(protocol)
+    if RANK % 2:
+        on_python_engine(ordered)
+
+    @tf.function
+    def step():
+        small = ordered.allreduce_sum(tf.fill([3], float(RANK + 1)))
+        large = ordered.allreduce_packed([tf.fill([5000], RANK + 1)], "max")[0]
+        root = ordered.broadcast(tf.fill([2000], RANK), root=SIZE - 1)
+        rows = ordered.allgather(tf.fill([RANK + 1, 2], RANK))
+        ordered.barrier()
+        share = ordered.reducescatter(tf.ones([SIZE, 2]))
+        swapped = ordered.alltoall(tf.fill([SIZE, 2], RANK))
+        return small, large, root, rows, share, swapped
+
+    for _ in range(3):
+        small, large, root, rows, share, swapped = step()
+        np.testing.assert_array_equal(share, np.full([1, 2], SIZE))
+        np.testing.assert_array_equal(swapped[:, 0], np.arange(SIZE))
+        np.testing.assert_array_equal(small, np.full(3, SIZE * (SIZE + 1) / 2))
+        np.testing.assert_array_equal(large, np.full(5000, SIZE))
+        np.testing.assert_array_equal(root, np.full(2000, SIZE - 1))
+        np.testing.assert_array_equal(
+            rows[:, 0], np.repeat(np.arange(SIZE), np.arange(1, SIZE + 1))
+        )
+
+
+def _message(error):
+    text = getattr(error, "message", str(error))
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", text.split("\n")[0])
+    return re.sub(r"collective #\d+", "collective #N", text)
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+def test_a_disagreement_raises_the_same_error_and_message_on_both_engines(engines, in_function):
+    errors = []
+    for ordered in engines:
+        call = lambda o=ordered: o.allreduce_sum(tf.ones([RANK + 1]))  # noqa: E731
+        with pytest.raises(tf.errors.InvalidArgumentError) as info:
+            (tf.function(call) if in_function else call)()
+        errors.append(info.value)
+    native, python = errors
+    assert type(native) is type(python)
+    assert _message(native) == _message(python)
+    assert "CollectiveMismatchError" in _message(native) if in_function else True
+    if not in_function:
+        assert isinstance(native, CollectiveMismatchError)
+    for ordered in engines:  # and both go on
+        np.testing.assert_array_equal(ordered.allreduce_sum(tf.ones([2])), [SIZE, SIZE])
+
+
+def test_a_retired_communicator_raises_its_error_from_the_kernels(protocol):
+    native = _ordered_comm(protocol)
+    native.collectives.retire(lambda: RuntimeError("this communicator was replaced"))
+    with pytest.raises(RuntimeError, match="was replaced"):
+        native.allreduce_sum(tf.ones([2]))
+    with pytest.raises(
+        tf.errors.UnknownError, match="RuntimeError: this communicator was replaced"
+    ):
+        tf.function(lambda: native.broadcast(tf.ones([2])))()
+
+
+def test_the_engine_in_use_is_reported():
+    assert native_engine.active() in ("native", "python")
+    assert ("native" in OrderedComm(WORLD).engines) == (native_engine.active() == "native")
+
+
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_a_save_on_one_rank_meets_a_collective_on_the_others(engines, engine):
+    # Rank 0 saves alone (a partial meeting: it goes on without the others),
+    # while the others already wait in an all-reduce, which rank 0 then joins.
+    from mpi_strategy._src.features.saving.write_point import WRITE
+
+    ordered = engines[["native", "python"].index(engine)]
+    if RANK == 0:
+        assert ordered.agreement.agree(WRITE, np.uint8, [], tag="alone") is None
+        assert ordered.agreement.solo_with == [0]
+    np.testing.assert_array_equal(ordered.allreduce_sum(tf.ones([3])), [SIZE] * 3)
+    np.testing.assert_array_equal(ordered.allgather(tf.fill([1], RANK)), np.arange(SIZE))

