@@ -1,8 +1,9 @@
 """The Estimator-style lifecycle end to end under mpiexec -n 1, 2 and 3.
 
-Each world size trains examples/estimator_style.py to step 6 (checkpoints at
-3 and 6), is relaunched from its last checkpoint and trains to step 10, one of
-them with a different number of ranks (2 -> 3); each evaluates and exports.
+Two runs train examples/estimator_style.py to step 6 (checkpoints at 3 and 6),
+are relaunched from their last checkpoint and train to step 10: one on one
+rank, one on 2 ranks and then 3 (another number of ranks, an odd one, uneven
+shares); each evaluates and exports.
 The final evaluation must agree across world sizes (same global batch), and
 every export must serve in a plain Python process that imports neither MPI
 nor mpi_strategy (tests/programs/serve_exports.py).
@@ -47,7 +48,7 @@ def launch(ranks, model_dir, steps):
 
 @pytest.mark.single_process
 def test_train_checkpoint_resume_evaluate_export_serve(tmp_path):
-    plans = {"1": (1, 1), "2-then-3": (2, 3), "3": (3, 3)}
+    plans = {"1": (1, 1), "2-then-3": (2, 3)}
     finals = {}
     for name, (first, second) in plans.items():
         model_dir = str(tmp_path / name)

@@ -33,7 +33,6 @@ Y = _rng.integers(0, CLASSES, EXAMPLES).astype(np.int64)
 # id: (Adam keyword arguments, steps_per_execution, dtype policy)
 CASES = {
     "accumulate2": (dict(gradient_accumulation_steps=2), 1, None),
-    "accumulate4": (dict(gradient_accumulation_steps=4), 1, None),
     "accumulate4-steps_per_execution3": (dict(gradient_accumulation_steps=4), 3, None),
     "ema": (dict(use_ema=True), 1, None),
     "ema-overwrite3": (dict(use_ema=True, ema_overwrite_frequency=3), 1, None),

@@ -73,7 +73,7 @@ def fit_evaluate_predict(K, strategy, input_kind, steps_per_execution, steps_per
         train = dict(x=tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH).repeat())
         val = tf.data.Dataset.from_tensor_slices((X_VAL, Y_VAL)).batch(BATCH)
     history = model.fit(
-        **train, epochs=3, steps_per_epoch=steps_per_epoch, validation_data=val, verbose=0
+        **train, epochs=2, steps_per_epoch=steps_per_epoch, validation_data=val, verbose=0
     ).history
     evaluation = model.evaluate(X, Y, batch_size=BATCH, verbose=0)
     predictions = model.predict(X, batch_size=BATCH, verbose=0)
@@ -144,7 +144,7 @@ class _Interrupt(Exception):
 
 
 def test_backup_and_restore_resumes_to_the_uninterrupted_result(K, strategy, shared_dir):
-    epochs = 4
+    epochs = 3
     uninterrupted = build(K, strategy)
     uninterrupted.fit(X, Y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
 
@@ -152,7 +152,7 @@ def test_backup_and_restore_resumes_to_the_uninterrupted_result(K, strategy, sha
 
     class InterruptMidEpoch(K.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if self._epoch == 2 and batch == 2:
+            if self._epoch == 1 and batch == 2:
                 raise _Interrupt()  # on every rank at the same step, like a job kill
 
         def on_epoch_begin(self, epoch, logs=None):
@@ -180,20 +180,8 @@ def test_backup_and_restore_resumes_to_the_uninterrupted_result(K, strategy, sha
         verbose=0,
         callbacks=[K.callbacks.BackupAndRestore(backup_dir)],
     )
-    assert len(history.history["loss"]) == epochs - 2  # epochs 0 and 1 were restored
+    assert len(history.history["loss"]) == epochs - 1  # epoch 0 was restored
     assert not [f for _, _, files in os.walk(backup_dir) for f in files]  # deleted after fit
     for got, want in zip(resumed.get_weights(), uninterrupted.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         assert_same_on_all_ranks(got, "resumed weight")
-
-
-def test_model_save_from_every_rank_lands_once(K, strategy, shared_dir):
-    model = build(K, strategy)
-    model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0)
-    path = os.path.join(shared_dir, f"model-{K.__name__}.keras")
-    model.save(path)  # on every rank, as one process would: written once
-    restored = K.models.load_model(path)
-    np.testing.assert_allclose(
-        restored.predict(X, verbose=0), model.predict(X, verbose=0), rtol=1e-5, atol=1e-6
-    )
-    assert sorted(os.listdir(shared_dir)) == [os.path.basename(path)]
