@@ -30,6 +30,10 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # a slow test says why it must stay (CI's time limit)
+        for mark in item.iter_markers("slow"):
+            if len(mark.args) != 1 or not str(mark.args[0]).strip():
+                raise pytest.UsageError(f'{item.nodeid}: @pytest.mark.slow("why it must stay")')
     # Under mpiexec every rank must run the same tests in the same order.
     if WORLD.Get_size() > 1:
         items[:] = [i for i in items if "single_process" not in i.keywords]
@@ -82,6 +86,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "device_agnostic: uses no strategy's local devices (not rerun with 2 devices per rank)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "slow(why): takes 30 s or more in CI; says why it must stay (-m 'not slow' leaves it out)",
     )
 
 

@@ -372,6 +372,7 @@ def _run_bash(code, cwd, timeout=SHELL_TIMEOUT, extra_env=None):
     return proc.returncode, out
 
 
+@pytest.mark.slow("every shell block of the docs runs as a user would type it")
 def test_shell_blocks_run(tmp_path):
     blocks = _by_mode("shell")
     failures = []

@@ -14,6 +14,7 @@ from testing.launch import run_mpiexec
 EXAMPLE = os.path.join(REPO, "examples", "digits_cnn.py")
 
 
+@pytest.mark.slow("real data to a real accuracy, at two world sizes")
 @pytest.mark.single_process
 def test_digits_cnn_reaches_the_same_accuracy_at_one_and_three_ranks():
     accuracies = {}

@@ -46,6 +46,9 @@ def launch(ranks, model_dir, steps):
     return json.JSONDecoder().raw_decode(lines[0][lines[0].index("{") :])[0]
 
 
+@pytest.mark.slow(
+    "train, checkpoint, resume on another number of ranks, export, serve: one lifecycle"
+)
 @pytest.mark.single_process
 def test_train_checkpoint_resume_evaluate_export_serve(tmp_path):
     plans = {"1": (1, 1), "2-then-3": (2, 3)}

@@ -167,6 +167,9 @@ def _last_line(error):
     return error.strip().splitlines()[-1] if error else "ok"
 
 
+@pytest.mark.slow(
+    "TensorFlow's tutorials, changed in the strategy line only, under MPI and Mirrored"
+)
 @pytest.mark.single_process
 def test_tutorials_run_under_mpi_as_under_mirrored_strategy(tmp_path):
     started = time.monotonic()

@@ -30,6 +30,9 @@ SILENCE = DEFAULT_SILENCE
 # the oldest TensorFlow (.ci/oldest), and a launch costs minutes.
 # test_ordered_comm and test_native compare the two engines within every launch
 # that has both.
+@pytest.mark.slow(
+    "every test of tests/any_world_size at 3 ranks and at 2 ranks x 2 devices, one launch each"
+)
 @pytest.mark.single_process
 @pytest.mark.parametrize(
     "ranks,local_devices,kernels",

@@ -269,6 +269,7 @@ def _requeued_and_completed(slurm, job, out_path, checkpoints, uninterrupted, **
     return starts[1]
 
 
+@pytest.mark.slow("a real Slurm preempts, requeues and restarts the job: the scheduler's own pace")
 def test_the_slurm_example_preempted_by_sigterm_requeues_itself_and_ends_as_if_uninterrupted(
     slurm, tmp_path, uninterrupted
 ):
@@ -304,6 +305,7 @@ def _pending_signals(pid):
     return int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
 
 
+@pytest.mark.slow("a real Slurm warns before the time limit, requeues and restarts the job")
 def test_the_slurm_example_warned_before_its_time_limit_requeues_and_ends_as_if_uninterrupted(
     slurm, tmp_path, uninterrupted
 ):

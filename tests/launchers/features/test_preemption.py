@@ -102,6 +102,7 @@ def _killer(pids):
     return each_line
 
 
+@pytest.mark.slow("a notice on one rank, the save on all, then a relaunch that resumes bit for bit")
 @pytest.mark.single_process
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_notice_on_one_rank_saves_the_same_step_everywhere_and_resumes_bit_for_bit(
