@@ -230,17 +230,11 @@ class ArrayCollectives:
         )
         if carried is None:
             matrix = np.empty((self.size, self.size + 1), np.int64)
-            self.comm.Allgather(sent, matrix)
+            self.comm.Allgather([sent, MPI.INT64_T], [matrix, MPI.INT64_T])
         else:
             matrix = carried[:, : sent.nbytes].copy().view(np.int64)
-        bad = np.flatnonzero(matrix[:, -1] == 0).tolist()
-        if bad:
-            raise self._mismatch_error(
-                f"mpi_strategy: alltoall: the splits of rank(s) {bad} do not cut their "
-                f"tensor: each rank needs {self.size} non-negative splits that sum to the "
-                f"length of its tensor's first dimension (this is rank {self.rank}: splits "
-                f"{counts.tolist()}, {rows} rows)."
-            )
+        if not matrix[:, -1].all():
+            raise self.bad_splits(matrix, counts.tolist(), rows)
         matrix = matrix[:, :-1]
         sent = sent[:-1]
         received = matrix[:, self.rank].copy()
@@ -252,6 +246,18 @@ class ArrayCollectives:
             [as_bytes(out), (recv_counts.tolist(), _starts(recv_counts)), MPI.BYTE],
         )
         return out, received
+
+    def bad_splits(self, matrix: np.ndarray, counts: list[int], rows: int) -> Exception:
+        """The error of an alltoall whose splits do not cut some rank's tensor:
+        ``matrix``, every rank's splits and whether they fit (its last column,
+        0: not); ``counts`` and ``rows``, this rank's splits and rows (-1: a scalar)."""
+        bad = np.flatnonzero(matrix[:, -1] == 0).tolist()
+        return self._mismatch_error(
+            f"mpi_strategy: alltoall: the splits of rank(s) {bad} do not cut their "
+            f"tensor: each rank needs {self.size} non-negative splits that sum to the "
+            f"length of its tensor's first dimension (this is rank {self.rank}: splits "
+            f"{counts}, {rows} rows)."
+        )
 
     def barrier(self, timeout: float | None = None, token: int | None = None) -> None:
         """Returns once every rank has called it (with a timeout, naming the late ranks)."""

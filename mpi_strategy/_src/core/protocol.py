@@ -79,6 +79,7 @@ class Event(enum.IntEnum):
     DISAGREEMENT = 1
     MPI_ERROR = 2
     BLOCKED = 3
+    BAD_SPLITS = 4  # an alltoall's splits do not cut some rank's tensor
 
 
 class Op(enum.IntEnum):

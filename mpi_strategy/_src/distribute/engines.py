@@ -6,17 +6,18 @@ engine sends the same bytes in the same MPI calls (``core/protocol.py``), so
 ranks whose collectives ran on different engines still meet correctly.
 
 - ``NativeEngine``: compiled kernels (``native/``), for the all-reduce, the
-  broadcast, the all-gather, the alltoall (equal splits), the reduce-scatter
-  and the barrier, when their shapes are known when tracing, no timeout is
-  asked for and no timeline records.
+  broadcast, the all-gather, the alltoall (equal splits and with splits),
+  the reduce-scatter and the barrier, when their shapes are known when
+  tracing, no timeout is asked for and no timeline records.
 - ``PythonEngine``: a ``tf.numpy_function`` calling ``core/collectives.py``;
   runs everything.
 
-What only the Python engine runs, and why: the alltoall with splits (no
-kernel written yet); a ``timeout_seconds`` (the polling and
-the announcements of the missing ranks are Python); a recording timeline (its
-timestamps are taken in Python); shapes unknown when tracing (a kernel's
-agreement record is fixed when tracing).
+What only the Python engine runs, and why (the one place this is listed):
+a ``timeout_seconds`` (the polling and the announcements of the missing
+ranks are Python); a recording timeline (its timestamps are taken in
+Python); shapes unknown when tracing (a kernel's agreement record is fixed
+when tracing); an alltoall without one row per rank and a reduce-scatter of
+a scalar (the Python engine raises their errors).
 
 An engine declares the device its ops run on (``device``): a GPU engine would
 be a third implementation of ``Engine`` whose kernels are registered for
@@ -174,7 +175,7 @@ class NativeEngine:
     name = "native"
     device = HOST
     KINDS = frozenset(
-        {"allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier"}
+        {"allreduce", "allgather", "broadcast", "alltoall", "alltoallv", "reducescatter", "barrier"}
     )
 
     def __init__(self, kernels: NativeComm) -> None:
@@ -214,6 +215,8 @@ class NativeEngine:
             return self._kernels.broadcast(token, inputs[0], c.root)
         if c.kind == "alltoall":
             return self._kernels.alltoall(token, inputs[0])
+        if c.kind == "alltoallv":
+            return self._kernels.alltoallv(token, inputs[0], inputs[1])
         if c.kind == "reducescatter":
             return self._kernels.reducescatter(token, inputs[0], c.op)
         if c.kind == "barrier":

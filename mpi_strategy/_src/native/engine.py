@@ -268,6 +268,20 @@ class NativeComm:
             **self._site(kinds.REDUCESCATTER, [tuple(tensor.shape)], [dtype], op),
         )
 
+    @tf.autograph.experimental.do_not_convert
+    def alltoallv(self, token: tf.Tensor, tensor: tf.Tensor, splits: tf.Tensor) -> list[tf.Tensor]:
+        """[next token, the rows received in rank order, how many from each rank]:
+        ``ArrayCollectives.alltoallv`` in one kernel (``splits``: int64; the
+        tensor's shape beyond axis 0 known when tracing)."""
+        dtype = tensor.dtype.as_numpy_dtype
+        return self._ops.mpi_strategy_alltoallv(  # (next token, output, received)
+            name="MPIAlltoall",
+            token=token,
+            input=tensor,
+            splits=splits,
+            **self._site(kinds.ALLTOALLV, [tuple(tensor.shape[1:])], [dtype]),
+        )
+
     def _site(
         self, kind: kinds.Kind, shapes: Sequence[Shape], dtypes: list[Any], tag: str = ""
     ) -> dict[str, int]:
@@ -307,19 +321,7 @@ def _resolve(
         collectives = _native().comms[engine]()
         if collectives is None:
             raise MPIStrategyError("mpi_strategy: a collective ran on a freed communicator.")
-        if event == Event.BLOCKED:
-            collectives.guarded(lambda: None)()
-        elif event == Event.MPI_ERROR:
-            error = MPI.Exception(value)
-            if ulfm.is_process_failure(error):
-                raise collectives.ranks_lost(error) from error
-            raise error
-        else:
-            size, width = collectives.size, record_width(collectives)
-            records = np.ctypeslib.as_array(
-                (ctypes.c_uint8 * (size * width)).from_address(received)
-            ).reshape(size, width)
-            collectives.agreement.settle_compiled(records, _native().shapes[site])
+        _answer(collectives, Event(event), site, received, value)
         return 0
     except BaseException as error:  # noqa: BLE001 (every error becomes the kernel's)
         _native().errors[engine] = error
@@ -328,6 +330,37 @@ def _resolve(
         ctypes.memset(message + len(text), 0, 1)
         code = getattr(error, "error_code", None)
         return code if isinstance(code, int) and code else _UNKNOWN
+
+
+def _answer(
+    collectives: ArrayCollectives, event: Event, site: int, received: int, value: int
+) -> None:
+    """Python's part of ``_resolve``: returns to go on, else raises the error."""
+    if event == Event.BLOCKED:
+        collectives.guarded(lambda: None)()
+    elif event == Event.MPI_ERROR:
+        error = MPI.Exception(value)
+        if ulfm.is_process_failure(error):
+            raise collectives.ranks_lost(error) from error
+        raise error
+    elif event == Event.BAD_SPLITS:
+        raise _bad_splits(collectives, received, value)
+    else:
+        size, width = collectives.size, record_width(collectives)
+        records = np.ctypeslib.as_array(
+            (ctypes.c_uint8 * (size * width)).from_address(received)
+        ).reshape(size, width)
+        collectives.agreement.settle_compiled(records, _native().shapes[site])
+
+
+def _bad_splits(collectives: ArrayCollectives, address: int, length: int) -> Exception:
+    """``ArrayCollectives.bad_splits`` from the kernel's int64 array at ``address``
+    (``length`` of them): this rank's rows, its k splits, then every rank's
+    splits and whether they fit (size rows of size + 1)."""
+    values = np.ctypeslib.as_array((ctypes.c_int64 * length).from_address(address)).copy()
+    rows, k = int(values[0]), int(values[1])
+    matrix = values[2 + k :].reshape(collectives.size, collectives.size + 1)
+    return collectives.bad_splits(matrix, values[2 : 2 + k].tolist(), rows)
 
 
 def record_width(collectives: ArrayCollectives) -> int:

@@ -12,11 +12,12 @@
 namespace mpi_strategy_kernels {
 
 // Asks Python; false (and the error set on the context) unless it says go on.
-bool AskPython(TF_OpKernelContext* ctx, const Site& site, Event event, int64_t value) {
+bool AskPython(TF_OpKernelContext* ctx, const Site& site, Event event, int64_t value,
+               const void* data) {
   std::string message(4096, '\0');
-  int code = resolve(site.state->engine, event, site.site,
-                     const_cast<uint8_t*>(site.received.data()), value, message.data(),
-                     static_cast<int64_t>(message.size()));
+  if (data == nullptr) data = site.received.data();
+  int code = resolve(site.state->engine, event, site.site, const_cast<void*>(data), value,
+                     message.data(), static_cast<int64_t>(message.size()));
   if (code == TF_OK) return true;
   message.resize(strnlen(message.c_str(), message.size()));
   TF_Status* status = TF_NewStatus();

@@ -155,15 +155,29 @@ const char* kIntAttrs[] = {"state: int", "site: int", "kind: int", "dtype_code: 
                            "op: int = 0", "mpi_dtype: int = 0", "mpi_op: int = 0",
                            "contiguous: int = 0"};
 
+// "a: T;b: int64" -> {"a: T", "b: int64"} (nullptr: none).
+std::vector<std::string> Specs(const char* list) {
+  std::vector<std::string> specs;
+  if (list == nullptr) return specs;
+  std::string rest = list;
+  for (size_t end; (end = rest.find(';')) != std::string::npos; rest = rest.substr(end + 1)) {
+    specs.push_back(rest.substr(0, end));
+  }
+  specs.push_back(rest);
+  return specs;
+}
+
 // `types`: "T: type" (one dtype) plus "N: int" when `listed`, or "T: list(type)".
 void RegisterOp(const char* name, const char* input, const char* output, bool listed,
                 void (*compute)(void*, TF_OpKernelContext*), const char* types) {
   TF_Status* status = TF_NewStatus();
   TF_OpDefinitionBuilder* op = TF_NewOpDefinitionBuilder(name);
   TF_OpDefinitionBuilderAddInput(op, "token: int64");
-  if (input != nullptr) TF_OpDefinitionBuilderAddInput(op, input);
+  for (const std::string& spec : Specs(input)) TF_OpDefinitionBuilderAddInput(op, spec.c_str());
   TF_OpDefinitionBuilderAddOutput(op, "next_token: int64");
-  TF_OpDefinitionBuilderAddOutput(op, output);
+  for (const std::string& spec : Specs(output)) {
+    TF_OpDefinitionBuilderAddOutput(op, spec.c_str());
+  }
   if (types != nullptr) TF_OpDefinitionBuilderAddAttr(op, types);
   if (listed) TF_OpDefinitionBuilderAddAttr(op, "N: int >= 1");
   for (const char* attr : kIntAttrs) TF_OpDefinitionBuilderAddAttr(op, attr);
@@ -213,6 +227,7 @@ extern "C" const char* mpi_strategy_native_init(const char* mpi4py_library, intp
   Find(library, "MPI_Allgather", &mpi.Allgather, &missing);
   Find(library, "MPI_Alltoall", &mpi.Alltoall, &missing);
   Find(library, "MPI_Reduce_scatter", &mpi.Reduce_scatter, &missing);
+  Find(library, "MPI_Alltoallv", &mpi.Alltoallv, &missing);
   if (missing != nullptr) return missing;
   mpi.in_place = in_place;
   mpi.byte = byte;

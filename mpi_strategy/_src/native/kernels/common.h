@@ -33,6 +33,8 @@ struct Mpi {
   int (*Allgather)(const void*, int, Handle, void*, int, Handle, Handle) = nullptr;
   int (*Alltoall)(const void*, int, Handle, void*, int, Handle, Handle) = nullptr;
   int (*Reduce_scatter)(const void*, void*, const int*, Handle, Handle, Handle) = nullptr;
+  int (*Alltoallv)(const void*, const int*, const int*, Handle, void*, const int*, const int*,
+                   Handle, Handle) = nullptr;
   Handle in_place = 0;
   Handle byte = 0;
   Handle int64 = 0;
@@ -109,7 +111,9 @@ struct Site {
 };
 
 // The agreement (agreement.cc).
-bool AskPython(TF_OpKernelContext* ctx, const Site& site, Event event, int64_t value);
+// `data`: what Python reads (default: the records gathered, site.received).
+bool AskPython(TF_OpKernelContext* ctx, const Site& site, Event event, int64_t value,
+               const void* data = nullptr);
 bool MpiOk(TF_OpKernelContext* ctx, const Site& site, int rc);
 const int64_t* Signature(const Site& site, int64_t rank);
 bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
@@ -123,7 +127,8 @@ bool SetToken(TF_OpKernelContext* ctx, TF_Status* status);
 int64_t ReadToken(TF_OpKernelContext* ctx, TF_Status* status);
 std::vector<TF_Tensor*> Inputs(TF_OpKernelContext* ctx, int n, TF_Status* status);
 TF_Tensor* OutputLike(TF_OpKernelContext* ctx, int index, TF_Status* status);
-// `input`, `types`: nullptr for none (an op of the token alone).
+// `input`, `types`: nullptr for none (an op of the token alone); `input` and
+// `output` may list several, separated by ";".
 void RegisterOp(const char* name, const char* input, const char* output, bool listed,
                 void (*compute)(void*, TF_OpKernelContext*), const char* types = "T: type");
 
