@@ -55,21 +55,16 @@ void Heard(State& state, int64_t notice) {
   }
 }
 
-bool Wait(TF_OpKernelContext* ctx, const Site& site, int rc, Handle* request) {
-  alignas(16) unsigned char status[64];  // (larger than any MPI's MPI_Status)
-  if (rc == 0) rc = mpi.Wait(request, status);
-  return MpiOk(ctx, site, rc);
-}
-
 // Above protocol.HASHED_ABOVE ranks: whether every rank's hash is this
 // one's (one Allreduce, max, of (hash, -hash, notice)).
-bool HashesAgree(TF_OpKernelContext* ctx, const Site& site, const int64_t* signature,
-                 bool* agreed) {
-  int64_t extremes[3] = {HashOf(signature), -HashOf(signature), signature[kNotice]};
+bool HashesAgree(TF_OpKernelContext* ctx, Site& site, const int64_t* signature, bool* agreed) {
+  site.extremes = {HashOf(signature), -HashOf(signature), signature[kNotice]};
+  int64_t* extremes = site.extremes.data();
+  if (!Announce(ctx, site)) return false;
   Handle request = 0;
   int rc = mpi.Iallreduce(reinterpret_cast<void*>(mpi.in_place), extremes, 3, mpi.int64, mpi.max,
                           static_cast<Handle>(site.state->agree_comm), &request);
-  if (!Wait(ctx, site, rc, &request)) return false;
+  if (!Complete(ctx, site, rc, &request)) return false;
   Heard(*site.state, extremes[2]);
   *agreed = extremes[0] == -extremes[1];
   return true;
@@ -109,11 +104,12 @@ bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
     if (!HashesAgree(ctx, site, signature, &agreed)) return false;
     if (agreed) return true;  // (else every record, to explain the disagreement)
   }
+  if (!Announce(ctx, site)) return false;
   Handle request = 0;
   int rc = mpi.Iallgather(site.record.data(), static_cast<int>(record_bytes), mpi.byte,
                           site.received.data(), static_cast<int>(record_bytes), mpi.byte,
                           static_cast<Handle>(state.agree_comm), &request);
-  if (!Wait(ctx, site, rc, &request)) return false;
+  if (!Complete(ctx, site, rc, &request)) return false;
   const int64_t* first = Signature(site, 0);
   bool differ = false;
   int64_t notice = 0;

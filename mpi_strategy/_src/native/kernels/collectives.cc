@@ -75,6 +75,9 @@ void* Create(TF_OpKernelConstruction* ctx) {
   site->root = Attr(ctx, "root", status);
   site->op = Attr(ctx, "op", status);
   site->contiguous = Attr(ctx, "contiguous", status);
+  site->timed = Attr(ctx, "timed", status);
+  const int64_t bits = Attr(ctx, "timeout_bits", status);
+  std::memcpy(&site->timeout, &bits, sizeof(double));
   site->mpi_dtype = static_cast<Handle>(Attr(ctx, "mpi_dtype", status));
   site->mpi_op = static_cast<Handle>(Attr(ctx, "mpi_op", status));
   if (TF_GetCode(status) != TF_OK) TF_OpKernelConstruction_Failure(ctx, status);
@@ -153,7 +156,7 @@ void UnknownShapes(TF_ShapeInferenceContext* ctx, TF_Status* status) {
 const char* kIntAttrs[] = {"state: int", "site: int", "kind: int", "dtype_code: int",
                            "count: int", "tensors: int", "layout: int", "root: int = 0",
                            "op: int = 0", "mpi_dtype: int = 0", "mpi_op: int = 0",
-                           "contiguous: int = 0"};
+                           "contiguous: int = 0", "timed: int = 0", "timeout_bits: int = 0"};
 
 // "a: T;b: int64" -> {"a: T", "b: int64"} (nullptr: none).
 std::vector<std::string> Specs(const char* list) {
@@ -228,6 +231,10 @@ extern "C" const char* mpi_strategy_native_init(const char* mpi4py_library, intp
   Find(library, "MPI_Alltoall", &mpi.Alltoall, &missing);
   Find(library, "MPI_Reduce_scatter", &mpi.Reduce_scatter, &missing);
   Find(library, "MPI_Alltoallv", &mpi.Alltoallv, &missing);
+  Find(library, "MPI_Test", &mpi.Test, &missing);
+  Find(library, "MPI_Isend", &mpi.Isend, &missing);
+  Find(library, "MPI_Iprobe", &mpi.Iprobe, &missing);
+  Find(library, "MPI_Recv", &mpi.Recv, &missing);
   if (missing != nullptr) return missing;
   mpi.in_place = in_place;
   mpi.byte = byte;

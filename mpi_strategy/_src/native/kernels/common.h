@@ -35,6 +35,10 @@ struct Mpi {
   int (*Reduce_scatter)(const void*, void*, const int*, Handle, Handle, Handle) = nullptr;
   int (*Alltoallv)(const void*, const int*, const int*, Handle, void*, const int*, const int*,
                    Handle, Handle) = nullptr;
+  int (*Test)(Handle*, int*, void*) = nullptr;
+  int (*Isend)(const void*, int, Handle, int, int, Handle, Handle*) = nullptr;
+  int (*Iprobe)(int, int, Handle, int*, void*) = nullptr;
+  int (*Recv)(void*, int, Handle, int, int, Handle, void*) = nullptr;
   Handle in_place = 0;
   Handle byte = 0;
   Handle int64 = 0;
@@ -105,8 +109,11 @@ struct Site {
   int64_t site = 0, kind = 0, dtype_code = 0, count = 0, tensors = 0, layout = 0, root = 0;
   int64_t op = kSum;  // (protocol.Op)
   int64_t contiguous = 0;  // 1: tensors packed back to back (as concatenated)
+  int64_t timed = 0;  // 1: the agreement's exchange gives up after `timeout` seconds
+  double timeout = 0;
   Handle mpi_dtype = 0, mpi_op = 0;
   std::vector<uint8_t> record, received, scratch;
+  std::vector<int64_t> extremes;  // (the hashed agreement's Iallreduce)
   Pool pool;
 };
 
@@ -119,6 +126,13 @@ const int64_t* Signature(const Site& site, int64_t rank);
 bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
            int64_t nbytes, bool* carried, int64_t rows = 0);
 const uint8_t* CarriedData(const Site& site, int64_t rank);
+
+// A timeout (timeouts.cc, as core/timeouts.py): before a timed exchange,
+// Announce tells the other ranks this collective's number; Complete waits for
+// the exchange (polled until the deadline when timed; then Python's timeout
+// error, false), then reads the announcements that arrived.
+bool Announce(TF_OpKernelContext* ctx, const Site& site);
+bool Complete(TF_OpKernelContext* ctx, Site& site, int rc, Handle* request);
 
 // Tensors and ops (collectives.cc).
 bool Fail(TF_OpKernelContext* ctx, TF_Status* status);
