@@ -116,24 +116,34 @@ class ArrayCollectives:
     def timed(self, fn: Callable[..., Any], name: str, trace: Timeline) -> Callable[..., Any]:
         """``fn(token, *arrays)``, recording each call in the timeline ``trace``."""
         agreement = self.agreement
-        comm = (self.number, f"MPI communicator {self.number} ({self.size} ranks)")
 
         def timed(token: int, *arrays: np.ndarray) -> Any:
             start = time.perf_counter()
             outs = fn(token, *arrays)
-            trace.collective(
+            self.record(
+                trace,
                 name,
-                comm,
-                start,
-                agreement.agreed_at,
-                time.perf_counter(),
+                (start, agreement.agreed_at, time.perf_counter()),
                 sum(a.nbytes for a in arrays),
                 len(arrays),
-                agreement.seq,
             )
             return outs
 
         return timed
+
+    def record(
+        self,
+        trace: Timeline,
+        name: str,
+        times: tuple[float, float, float],
+        nbytes: int,
+        tensors: int,
+    ) -> None:
+        """Records in ``trace`` this communicator's last collective, the op
+        ``name``: ``times`` (entered, agreed, done; ``time.perf_counter()``),
+        the bytes and tensors it was given (also the native kernels')."""
+        comm = (self.number, f"MPI communicator {self.number} ({self.size} ranks)")
+        trace.collective(name, comm, *times, nbytes, tensors, self.agreement.seq)
 
     # -- collectives -----------------------------------------------------------
     def allreduce_sum(

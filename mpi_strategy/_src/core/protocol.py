@@ -83,6 +83,7 @@ class Event(enum.IntEnum):
     BLOCKED = 3
     BAD_SPLITS = 4  # an alltoall's splits do not cut some rank's tensor
     TIMEOUT = 5  # the agreement's exchange outlasted the collective's timeout
+    TRACE = 6  # a timeline records: the kernel's timestamps, for Python to write
 
 
 class Op(enum.IntEnum):

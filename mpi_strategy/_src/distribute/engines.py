@@ -7,17 +7,17 @@ ranks whose collectives ran on different engines still meet correctly.
 
 - ``NativeEngine``: compiled kernels (``native/``), for the all-reduce, the
   broadcast, the all-gather, the alltoall (equal splits and with splits),
-  the reduce-scatter and the barrier, with or without a ``timeout_seconds``
-  (polled in C, the missing ranks announced in C: ``kernels/timeouts.cc``),
-  when their shapes are known when tracing and no timeline records.
+  the reduce-scatter and the barrier, when their shapes are known when
+  tracing; also with a ``timeout_seconds`` (polled and the missing ranks
+  announced in C: ``kernels/timeouts.cc``) and while a timeline records
+  (timestamps taken in C, the events written by Python: ``Event.TRACE``).
 - ``PythonEngine``: a ``tf.numpy_function`` calling ``core/collectives.py``;
   runs everything.
 
 What only the Python engine runs, and why (the one place this is listed):
-a recording timeline (its timestamps are taken in Python); shapes unknown
-when tracing (a kernel's agreement record is fixed when tracing); an alltoall
-without one row per rank and a reduce-scatter of a scalar (the Python engine
-raises their errors).
+shapes unknown when tracing (a kernel's agreement record, its static part,
+is fixed when tracing); an alltoall without one row per rank and a
+reduce-scatter of a scalar (the Python engine raises their errors).
 
 An engine declares the device its ops run on (``device``): a GPU engine would
 be a third implementation of ``Engine`` whose kernels are registered for
@@ -186,7 +186,6 @@ class NativeEngine:
         return (
             collective.kind in self.KINDS
             and shapes is not None
-            and timeline_lib.current() is None
             # (the Python engine explains an alltoall without one row per rank,
             # and a reduce-scatter of a scalar)
             and (collective.kind != "alltoall" or shapes[0][:1] == (self._kernels.size,))

@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
-from mpi_strategy._src.core import kinds, protocol, ulfm
+from mpi_strategy._src.core import kinds, protocol, timeline, ulfm
 from mpi_strategy._src.core.collectives import REDUCTIONS, ArrayCollectives
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.process import PROCESS
@@ -54,6 +54,9 @@ class NativeState:
     # The shapes a kernel's agreement compares, interned: a kernel holds the index.
     sites: dict[tuple[tuple[int, ...], ...], int] = field(default_factory=dict)
     shapes: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)
+    # The op names of kernels traced while a timeline records: a kernel holds
+    # its name's index + 1 (``trace``).
+    names: list[str] = field(default_factory=list)
     # The Python exception behind each communicator's last kernel error.
     errors: dict[int, BaseException] = field(default_factory=dict)
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -205,7 +208,7 @@ class NativeComm:
             mpi_op=as_int64(mpi_op.handle),
             mpi_dtype=as_int64(MPI.Datatype.fromcode(np.dtype(dtype).char).handle),
             contiguous=int(contiguous),
-            **self._site(kind, shapes, [dtype], timeout=timeout),
+            **self._site(kind, shapes, [dtype], timeout=timeout, name="MPIAllreduce"),
         )
         return [next_token, *outputs]
 
@@ -221,7 +224,12 @@ class NativeComm:
             input=tensor,
             root=root,
             **self._site(
-                kinds.BROADCAST, shapes, [tensor.dtype.as_numpy_dtype], f"root {root}", timeout
+                kinds.BROADCAST,
+                shapes,
+                [tensor.dtype.as_numpy_dtype],
+                f"root {root}",
+                timeout,
+                name="MPIBroadcast",
             ),
         )
 
@@ -237,7 +245,7 @@ class NativeComm:
             name="MPIAllgather",
             token=token,
             inputs=list(tensors),
-            **self._site(kinds.ALLGATHER, row_shapes, dtypes, timeout=timeout),
+            **self._site(kinds.ALLGATHER, row_shapes, dtypes, timeout=timeout, name="MPIAllgather"),
         )
         return [next_token, *outputs]
 
@@ -247,7 +255,7 @@ class NativeComm:
         return self._ops.mpi_strategy_barrier(  # (next token, output)
             name="MPIBarrier",
             token=token,
-            **self._site(kinds.BARRIER, [], [np.uint8], timeout=timeout),
+            **self._site(kinds.BARRIER, [], [np.uint8], timeout=timeout, name="MPIBarrier"),
         )
 
     @tf.autograph.experimental.do_not_convert
@@ -265,6 +273,7 @@ class NativeComm:
                 [tuple(tensor.shape)],
                 [tensor.dtype.as_numpy_dtype],
                 timeout=timeout,
+                name="MPIAlltoall",
             ),
         )
 
@@ -281,7 +290,14 @@ class NativeComm:
             input=tensor,
             mpi_op=as_int64(REDUCTIONS[op][1].handle),
             mpi_dtype=as_int64(MPI.Datatype.fromcode(np.dtype(dtype).char).handle),
-            **self._site(kinds.REDUCESCATTER, [tuple(tensor.shape)], [dtype], op, timeout),
+            **self._site(
+                kinds.REDUCESCATTER,
+                [tuple(tensor.shape)],
+                [dtype],
+                op,
+                timeout,
+                name="MPIReducescatter",
+            ),
         )
 
     @tf.autograph.experimental.do_not_convert
@@ -301,7 +317,13 @@ class NativeComm:
             token=token,
             input=tensor,
             splits=splits,
-            **self._site(kinds.ALLTOALLV, [tuple(tensor.shape[1:])], [dtype], timeout=timeout),
+            **self._site(
+                kinds.ALLTOALLV,
+                [tuple(tensor.shape[1:])],
+                [dtype],
+                timeout=timeout,
+                name="MPIAlltoall",
+            ),
         )
 
     def _site(
@@ -311,10 +333,13 @@ class NativeComm:
         dtypes: list[Any],
         tag: str = "",
         timeout: float | None = None,
+        *,
+        name: str,
     ) -> dict[str, int]:
         """The attributes that fix a kernel's record: what ``signature``
         computes from these arguments, where the shared state is, and the
-        timeout (``timed``; its seconds as the bits of a double)."""
+        timeout (``timed``; its seconds as the bits of a double), and whether
+        a timeline records its runs (``trace``: the op ``name``'s number)."""
         code, count, layout = protocol.layout(shapes, [np.dtype(d) for d in dtypes], tag)
         return {
             "state": self._state,
@@ -326,6 +351,7 @@ class NativeComm:
             "layout": layout,
             "timed": int(timeout is not None),
             "timeout_bits": _bits(timeout or 0.0),
+            "trace": _name_id(name) if timeline.current() is not None else 0,
         }
 
     def take_error(self) -> BaseException | None:
@@ -336,6 +362,13 @@ class NativeComm:
 def _bits(seconds: float) -> int:
     """The bits of the double ``seconds``, as an int64 (an op attribute)."""
     return int(np.array(seconds, np.float64).view(np.int64))
+
+
+def _name_id(name: str) -> int:
+    names = _native().names
+    if name not in names:
+        names.append(name)
+    return names.index(name) + 1
 
 
 def _site_id(shapes: Sequence[Shape]) -> int:
@@ -382,6 +415,13 @@ def _answer(
         raise error
     elif event == Event.BAD_SPLITS:
         raise _bad_splits(collectives, received, value)
+    elif event == Event.TRACE:  # (received: 3 doubles, 3 int64; value: the name's number)
+        told = np.ctypeslib.as_array((ctypes.c_int64 * 6).from_address(received)).copy()
+        times = told[:3].view(np.float64).tolist()
+        trace = timeline.current()
+        if trace is not None:
+            name = _native().names[value - 1]
+            collectives.record(trace, name, (times[0], times[1], times[2]), *told[3:5].tolist())
     elif event == Event.TIMEOUT:  # (received: this rank's record; value: the timeout's bits)
         mine = np.ctypeslib.as_array((ctypes.c_int64 * len(Field)).from_address(received))
         timeout = float(np.array(value, np.int64).view(np.float64))

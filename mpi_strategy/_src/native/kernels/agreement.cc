@@ -70,10 +70,23 @@ bool HashesAgree(TF_OpKernelContext* ctx, Site& site, const int64_t* signature, 
   return true;
 }
 
+namespace {
+bool Agreed(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
+            int64_t nbytes, bool* carried, int64_t rows);
+}  // namespace
+
 // The agreement (Agreement.agree_carrying): returns false on error (set on
 // the context); `carried` is true when every rank's data is in the records.
 bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
            int64_t nbytes, bool* carried, int64_t rows) {
+  if (!Agreed(ctx, site, token, data, nbytes, carried, rows)) return false;
+  if (site.trace != 0) site.agreed = Now();  // (Agreement.agreed_at)
+  return true;
+}
+
+namespace {
+bool Agreed(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
+            int64_t nbytes, bool* carried, int64_t rows) {
   State& state = *site.state;
   if (state.blocked && !AskPython(ctx, site, kBlocked, 0)) return false;
   const int64_t size = state.size, record_bytes = state.record_bytes;
@@ -127,6 +140,8 @@ bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
   for (int64_t r = 0; r < size; ++r) *carried &= Signature(site, r)[kBytes] <= state.carry_bytes;
   return true;
 }
+
+}  // namespace
 
 const uint8_t* CarriedData(const Site& site, int64_t rank) {
   return site.received.data() + rank * site.state->record_bytes + kSignatureBytes;

@@ -125,7 +125,7 @@ void AlltoallvCompute(void* kernel, TF_OpKernelContext* ctx) {
         Matrix(ctx, site, sent, carried, &matrix) &&
         SplitsFit(ctx, site, matrix, splits, k, rows) &&
         Exchange(ctx, site, inputs[0], matrix, status)) {
-      SetToken(ctx, status);
+      SetToken(ctx, site, status);
     }
   }
   for (TF_Tensor* input : inputs) TF_DeleteTensor(input);
@@ -135,7 +135,7 @@ void AlltoallvCompute(void* kernel, TF_OpKernelContext* ctx) {
 struct Registration {
   Registration() {
     RegisterOp("MpiStrategyAlltoallv", "input: T;splits: int64", "output: T;received: int64",
-               false, &AlltoallvCompute);
+               false, &Traced<&AlltoallvCompute>);
   }
 } registration;
 

@@ -35,6 +35,7 @@
 // agreement is in agreement.cc, each collective in a file of its own.
 
 #include <dlfcn.h>
+#include <time.h>
 
 #include <cstring>
 #include <string>
@@ -76,6 +77,7 @@ void* Create(TF_OpKernelConstruction* ctx) {
   site->op = Attr(ctx, "op", status);
   site->contiguous = Attr(ctx, "contiguous", status);
   site->timed = Attr(ctx, "timed", status);
+  site->trace = Attr(ctx, "trace", status);
   const int64_t bits = Attr(ctx, "timeout_bits", status);
   std::memcpy(&site->timeout, &bits, sizeof(double));
   site->mpi_dtype = static_cast<Handle>(Attr(ctx, "mpi_dtype", status));
@@ -100,7 +102,7 @@ std::vector<int64_t> Dims(const TF_Tensor* tensor) {
 }
 
 // Input 0 is the ordering token; output 0 is the token plus one.
-bool SetToken(TF_OpKernelContext* ctx, TF_Status* status) {
+bool SetToken(TF_OpKernelContext* ctx, Site& site, TF_Status* status) {
   TF_Tensor* token = nullptr;
   TF_GetInput(ctx, 0, &token, status);
   if (Fail(ctx, status)) return false;
@@ -110,7 +112,39 @@ bool SetToken(TF_OpKernelContext* ctx, TF_Status* status) {
   }
   TF_DeleteTensor(token);
   TF_DeleteTensor(next);
-  return TF_GetCode(status) == TF_OK;
+  site.done = TF_GetCode(status) == TF_OK;
+  return site.done;
+}
+
+double Now() {
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
+}
+
+int64_t InputBytes(TF_OpKernelContext* ctx) {
+  TF_Status* status = TF_NewStatus();
+  int64_t nbytes = 0;
+  for (int i = 1; i < TF_NumInputs(ctx); ++i) {
+    TF_Tensor* input = nullptr;
+    TF_GetInput(ctx, i, &input, status);
+    if (input != nullptr) nbytes += static_cast<int64_t>(TF_TensorByteSize(input));
+    if (input != nullptr) TF_DeleteTensor(input);
+  }
+  TF_DeleteStatus(status);
+  return nbytes;
+}
+
+// Python records (started, agreed, ended, bytes, tensors, collective): the
+// tensors as the Python engine counts them (small ones concatenated: one).
+void Trace(TF_OpKernelContext* ctx, const Site& site, double started, int64_t nbytes) {
+  const double ended = Now();
+  int64_t told[6] = {0, 0, 0, nbytes, site.contiguous ? 1 : TF_NumInputs(ctx) - 1,
+                     site.state->seq};
+  std::memcpy(&told[0], &started, 8);
+  std::memcpy(&told[1], &site.agreed, 8);
+  std::memcpy(&told[2], &ended, 8);
+  AskPython(ctx, site, kTrace, site.trace, told);
 }
 
 int64_t ReadToken(TF_OpKernelContext* ctx, TF_Status* status) {
@@ -156,7 +190,8 @@ void UnknownShapes(TF_ShapeInferenceContext* ctx, TF_Status* status) {
 const char* kIntAttrs[] = {"state: int", "site: int", "kind: int", "dtype_code: int",
                            "count: int", "tensors: int", "layout: int", "root: int = 0",
                            "op: int = 0", "mpi_dtype: int = 0", "mpi_op: int = 0",
-                           "contiguous: int = 0", "timed: int = 0", "timeout_bits: int = 0"};
+                           "contiguous: int = 0", "timed: int = 0", "timeout_bits: int = 0",
+                           "trace: int = 0"};
 
 // "a: T;b: int64" -> {"a: T", "b: int64"} (nullptr: none).
 std::vector<std::string> Specs(const char* list) {

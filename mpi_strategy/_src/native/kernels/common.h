@@ -111,6 +111,9 @@ struct Site {
   int64_t contiguous = 0;  // 1: tensors packed back to back (as concatenated)
   int64_t timed = 0;  // 1: the agreement's exchange gives up after `timeout` seconds
   double timeout = 0;
+  int64_t trace = 0;  // a timeline records: the op's name (Python's number for it), else 0
+  double agreed = 0;  // Now() when the last agreement completed
+  bool done = false;  // the last run succeeded (SetToken)
   Handle mpi_dtype = 0, mpi_op = 0;
   std::vector<uint8_t> record, received, scratch;
   std::vector<int64_t> extremes;  // (the hashed agreement's Iallreduce)
@@ -137,10 +140,28 @@ bool Complete(TF_OpKernelContext* ctx, Site& site, int rc, Handle* request);
 // Tensors and ops (collectives.cc).
 bool Fail(TF_OpKernelContext* ctx, TF_Status* status);
 std::vector<int64_t> Dims(const TF_Tensor* tensor);
-bool SetToken(TF_OpKernelContext* ctx, TF_Status* status);
+bool SetToken(TF_OpKernelContext* ctx, Site& site, TF_Status* status);
 int64_t ReadToken(TF_OpKernelContext* ctx, TF_Status* status);
 std::vector<TF_Tensor*> Inputs(TF_OpKernelContext* ctx, int n, TF_Status* status);
 TF_Tensor* OutputLike(TF_OpKernelContext* ctx, int index, TF_Status* status);
+// The timeline (as ArrayCollectives.timed): the clock of Python's
+// time.perf_counter, and Python's event for a run of `site` that succeeded.
+double Now();
+int64_t InputBytes(TF_OpKernelContext* ctx);
+void Trace(TF_OpKernelContext* ctx, const Site& site, double started, int64_t nbytes);
+
+// `Compute`, timed for the timeline when one records (site.trace).
+template <void (*Compute)(void*, TF_OpKernelContext*)>
+void Traced(void* kernel, TF_OpKernelContext* ctx) {
+  Site& site = *static_cast<Site*>(kernel);
+  if (site.trace == 0) return Compute(kernel, ctx);
+  site.done = false;
+  const double started = Now();
+  const int64_t nbytes = InputBytes(ctx);
+  Compute(kernel, ctx);
+  if (site.done) Trace(ctx, site, started, nbytes);
+}
+
 // `input`, `types`: nullptr for none (an op of the token alone); `input` and
 // `output` may list several, separated by ";".
 void RegisterOp(const char* name, const char* input, const char* output, bool listed,
