@@ -59,6 +59,7 @@ MPI_OP_TYPES = frozenset(
         "MpiStrategyAlltoall",
         "MpiStrategyReducescatter",
         "MpiStrategyBarrier",
+        "MpiStrategyAlltoallv",
     }
 )
 

@@ -112,12 +112,20 @@ class Agreement:
         self.state[State.HASHED] = int(self.hashed)
         self._hash_agreed = False  # the last exchange agreed by hash (no records gathered)
         self._announcements = timeouts.Announcements(comm, name_missing_ranks)
+        if self._announcements.handle:
+            self.state[State.ANNOUNCE_COMM] = self._announcements.handle
+            self.state[State.ANNOUNCEMENTS] = self._announcements.shared.ctypes.data
         self._mismatch_error, self._timeout_error = mismatch_error, timeout_error
         self.solo_with: list[int] = []  # after a partial meeting: the ranks in the same one
         self.usable = True  # False once a timeout left a request pending
         self.disagreed: list[Kind] = []  # the kinds the ranks were in at the last mismatch
         self._received = np.empty((0, 0), np.uint8)  # every rank's record of the last exchange
         self.agreed_at = 0.0  # time.perf_counter() when the last agreement completed
+
+    @property
+    def shared_arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays whose addresses the native kernels hold (``State``)."""
+        return self.state, self._announcements.shared
 
     @property
     def seq(self) -> int:
@@ -383,7 +391,7 @@ class Agreement:
             return
         self._announcements.announce(self._seq)
         request = start()
-        timeouts.wait(request, timeout, lambda: self._timed_out(mine, shapes, timeout))
+        timeouts.wait(request, timeout, lambda: self.timed_out(mine, shapes, timeout))
         self._announcements.collect()
 
     # -- disagreement --------------------------------------------------------
@@ -421,9 +429,10 @@ class Agreement:
         )
 
     # -- timeout ---------------------------------------------------------------
-    def _timed_out(self, mine: np.ndarray, shapes: Sequence[Shape], timeout: float) -> Exception:
-        """The error of a timeout in collective ``mine``; the communicator is
-        unusable from then on (a request is left pending)."""
+    def timed_out(self, mine: np.ndarray, shapes: Sequence[Shape], timeout: float) -> Exception:
+        """The error of a timeout in collective ``mine`` (this rank's
+        signature), also a native kernel's; the communicator is unusable from
+        then on (a request is left pending)."""
         self.usable = False
         return self._timeout_error(
             f"mpi_strategy: timeout after {timeout:g} s on rank {self._rank} in "

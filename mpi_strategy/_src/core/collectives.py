@@ -116,24 +116,34 @@ class ArrayCollectives:
     def timed(self, fn: Callable[..., Any], name: str, trace: Timeline) -> Callable[..., Any]:
         """``fn(token, *arrays)``, recording each call in the timeline ``trace``."""
         agreement = self.agreement
-        comm = (self.number, f"MPI communicator {self.number} ({self.size} ranks)")
 
         def timed(token: int, *arrays: np.ndarray) -> Any:
             start = time.perf_counter()
             outs = fn(token, *arrays)
-            trace.collective(
+            self.record(
+                trace,
                 name,
-                comm,
-                start,
-                agreement.agreed_at,
-                time.perf_counter(),
+                (start, agreement.agreed_at, time.perf_counter()),
                 sum(a.nbytes for a in arrays),
                 len(arrays),
-                agreement.seq,
             )
             return outs
 
         return timed
+
+    def record(
+        self,
+        trace: Timeline,
+        name: str,
+        times: tuple[float, float, float],
+        nbytes: int,
+        tensors: int,
+    ) -> None:
+        """Records in ``trace`` this communicator's last collective, the op
+        ``name``: ``times`` (entered, agreed, done; ``time.perf_counter()``),
+        the bytes and tensors it was given (also the native kernels')."""
+        comm = (self.number, f"MPI communicator {self.number} ({self.size} ranks)")
+        trace.collective(name, comm, *times, nbytes, tensors, self.agreement.seq)
 
     # -- collectives -----------------------------------------------------------
     def allreduce(
@@ -220,17 +230,11 @@ class ArrayCollectives:
         )
         if carried is None:
             matrix = np.empty((self.size, self.size + 1), np.int64)
-            self.comm.Allgather(sent, matrix)
+            self.comm.Allgather([sent, MPI.INT64_T], [matrix, MPI.INT64_T])
         else:
             matrix = carried[:, : sent.nbytes].copy().view(np.int64)
-        bad = np.flatnonzero(matrix[:, -1] == 0).tolist()
-        if bad:
-            raise self._mismatch_error(
-                f"mpi_strategy: alltoall: the splits of rank(s) {bad} do not cut their "
-                f"tensor: each rank needs {self.size} non-negative splits that sum to the "
-                f"length of its tensor's first dimension (this is rank {self.rank}: splits "
-                f"{counts.tolist()}, {rows} rows)."
-            )
+        if not matrix[:, -1].all():
+            raise self.bad_splits(matrix, counts.tolist(), rows)
         matrix = matrix[:, :-1]
         sent = sent[:-1]
         received = matrix[:, self.rank].copy()
@@ -242,6 +246,18 @@ class ArrayCollectives:
             [as_bytes(out), (recv_counts.tolist(), _starts(recv_counts)), MPI.BYTE],
         )
         return out, received
+
+    def bad_splits(self, matrix: np.ndarray, counts: list[int], rows: int) -> Exception:
+        """The error of an alltoall whose splits do not cut some rank's tensor:
+        ``matrix``, every rank's splits and whether they fit (its last column,
+        0: not); ``counts`` and ``rows``, this rank's splits and rows (-1: a scalar)."""
+        bad = np.flatnonzero(matrix[:, -1] == 0).tolist()
+        return self._mismatch_error(
+            f"mpi_strategy: alltoall: the splits of rank(s) {bad} do not cut their "
+            f"tensor: each rank needs {self.size} non-negative splits that sum to the "
+            f"length of its tensor's first dimension (this is rank {self.rank}: splits "
+            f"{counts}, {rows} rows)."
+        )
 
     def barrier(self, timeout: float | None = None, token: int | None = None) -> None:
         """Returns once every rank has called it (with a timeout, naming the late ranks)."""

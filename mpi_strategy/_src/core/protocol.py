@@ -71,6 +71,8 @@ class State(enum.IntEnum):
     NOTICE = 12  # this rank's preemption notice, sent in every record (0: none)
     NOTICED = 13  # the notice some rank sent, once an agreement carried it (0: none)
     NOTICED_AT = 14  # the collective whose agreement first carried it
+    ANNOUNCE_COMM = 15  # the MPI handle of the announcements' communicator (0: none)
+    ANNOUNCEMENTS = 16  # the address of ``timeouts.Announcements.shared`` (0: none)
 
 
 class Event(enum.IntEnum):
@@ -79,6 +81,9 @@ class Event(enum.IntEnum):
     DISAGREEMENT = 1
     MPI_ERROR = 2
     BLOCKED = 3
+    BAD_SPLITS = 4  # an alltoall's splits do not cut some rank's tensor
+    TIMEOUT = 5  # the agreement's exchange outlasted the collective's timeout
+    TRACE = 6  # a timeline records: the kernel's timestamps, for Python to write
 
 
 class Op(enum.IntEnum):
@@ -94,6 +99,9 @@ FNV_OFFSET = 0xCBF29CE484222325  # the hashed agreement: 64-bit FNV-1a
 FNV_PRIME = 0x100000001B3
 PACK_ALIGN = 64  # each tensor packed into one reduction buffer starts this aligned
 PIECE_ALIGN = 8  # each piece of an all-gather's message is padded to this
+# The tag of the announcements (the number of each collective a rank enters
+# with a timeout, one int64 to every other rank, ``timeouts.Announcements``).
+ANNOUNCE_TAG = 7
 # The hashed agreement (one 24-byte Allreduce of the largest hash, minus the
 # smallest, and the largest notice) above this many ranks: gathering every
 # record costs O(ranks) bytes per rank, which the cost model shows at
@@ -223,6 +231,7 @@ def fingerprint() -> str:
     items += [f"op.{o.name.lower()}={o.value}" for o in Op]
     items += [f"fnv.offset={FNV_OFFSET}", f"fnv.prime={FNV_PRIME}"]
     items += [f"align.pack={PACK_ALIGN}", f"align.piece={PIECE_ALIGN}"]
+    items += [f"announce.tag={ANNOUNCE_TAG}"]
     return "".join(f"{item};" for item in items)
 
 
@@ -243,6 +252,7 @@ def header() -> str:
     report += [f'"op.{o.name.lower()}=", k{camel(o.name)}' for o in Op]
     report += ['"fnv.offset=", kFnvOffset', '"fnv.prime=", kFnvPrime']
     report += ['"align.pack=", kPackAlign', '"align.piece=", kPieceAlign']
+    report += ['"announce.tag=", kAnnounceTag']
     lines = "\n".join(f"  Put(&out, {item});" for item in report)
     return f"""// Generated from mpi_strategy/_src/core/protocol.py when the kernels are built.
 #pragma once
@@ -265,6 +275,7 @@ enum Op : int64_t {{ {ops} }};
 
 constexpr uint64_t kFnvOffset = {FNV_OFFSET}ull, kFnvPrime = {FNV_PRIME}ull;
 constexpr int64_t kPackAlign = {PACK_ALIGN}, kPieceAlign = {PIECE_ALIGN};
+constexpr int kAnnounceTag = {ANNOUNCE_TAG};
 
 template <typename T>
 void Put(std::string* out, const char* name, T value) {{

@@ -5,7 +5,9 @@ non-blocking and polled (``wait``), and each rank tells the others (a few
 bytes, point to point, ``Announcements``) the number of every collective it
 enters. A rank that waited ``T`` seconds then raises an error naming the
 collective, its shape and the ranks that never arrived, with the last
-collective each of them entered.
+collective each of them entered. The native kernels do the same in C
+(``native/kernels/timeouts.cc``: the same messages, the same tag, on the same
+communicator, into ``Announcements.shared``), so the engines interoperate.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-_ANNOUNCE_TAG = 7
+from mpi_strategy._src.core.protocol import ANNOUNCE_TAG, as_int64
 
 
 class Announcements:
@@ -26,6 +28,11 @@ class Announcements:
     Collective over ``comm`` when ``enabled`` (and more than one rank): the
     announcements travel on a duplicate of ``comm``, created here and freed
     with this object, so that they never match another message.
+
+    ``shared`` (int64), which the native kernels read and write through its
+    address (``protocol.State.ANNOUNCEMENTS``): the last collective each rank
+    entered (``size`` of them), then the kernels' outgoing number and their
+    pending send requests (one per rank, 0 for none).
     """
 
     def __init__(self, comm: MPI.Intracomm, enabled: bool) -> None:
@@ -33,7 +40,8 @@ class Announcements:
         self._comm = comm.Dup() if enabled and self._size > 1 else None
         if self._comm is not None:  # freed with this object (not at exit)
             weakref.finalize(self, self._comm.Free).atexit = False
-        self._last_seen = np.zeros(self._size, np.int64)  # last collective each rank entered
+        self.shared = np.zeros(2 * self._size + 1, np.int64)
+        self._last_seen = self.shared[: self._size]  # last collective each rank entered
         self._sends: list[tuple[MPI.Request, np.ndarray]] = []
 
     def announce(self, seq: int) -> None:
@@ -43,7 +51,7 @@ class Announcements:
         MPI.Request.Waitall([req for req, _ in self._sends])  # small: long since delivered
         number = np.array([seq], np.int64)
         self._sends = [
-            (self._comm.Isend(number, dest=r, tag=_ANNOUNCE_TAG), number)
+            (self._comm.Isend([number, MPI.INT64_T], dest=r, tag=ANNOUNCE_TAG), number)
             for r in range(self._size)
             if r != self._rank
         ]
@@ -54,10 +62,15 @@ class Announcements:
         if self._comm is None:
             return
         status, seq = MPI.Status(), np.empty(1, np.int64)
-        while self._comm.Iprobe(MPI.ANY_SOURCE, _ANNOUNCE_TAG, status):
-            self._comm.Recv(seq, source=status.Get_source(), tag=_ANNOUNCE_TAG)
+        while self._comm.Iprobe(MPI.ANY_SOURCE, ANNOUNCE_TAG, status):
+            self._comm.Recv([seq, MPI.INT64_T], source=status.Get_source(), tag=ANNOUNCE_TAG)
             source = status.Get_source()
             self._last_seen[source] = max(self._last_seen[source], seq[0])
+
+    @property
+    def handle(self) -> int:
+        """The MPI handle of the announcements' communicator (0: none)."""
+        return 0 if self._comm is None else as_int64(self._comm.handle)
 
     def missing(self, seq: int) -> str:
         """Which ranks never reached collective ``seq``, in words."""

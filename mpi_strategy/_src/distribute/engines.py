@@ -6,17 +6,18 @@ engine sends the same bytes in the same MPI calls (``core/protocol.py``), so
 ranks whose collectives ran on different engines still meet correctly.
 
 - ``NativeEngine``: compiled kernels (``native/``), for the all-reduce, the
-  broadcast, the all-gather, the alltoall (equal splits), the reduce-scatter
-  and the barrier, when their shapes are known when tracing, no timeout is
-  asked for and no timeline records.
+  broadcast, the all-gather, the alltoall (equal splits and with splits),
+  the reduce-scatter and the barrier, when their shapes are known when
+  tracing; also with a ``timeout_seconds`` (polled and the missing ranks
+  announced in C: ``kernels/timeouts.cc``) and while a timeline records
+  (timestamps taken in C, the events written by Python: ``Event.TRACE``).
 - ``PythonEngine``: a ``tf.numpy_function`` calling ``core/collectives.py``;
   runs everything.
 
-What only the Python engine runs, and why: the alltoall with splits (no
-kernel written yet); a ``timeout_seconds`` (the polling and
-the announcements of the missing ranks are Python); a recording timeline (its
-timestamps are taken in Python); shapes unknown when tracing (a kernel's
-agreement record is fixed when tracing).
+What only the Python engine runs, and why (the one place this is listed):
+shapes unknown when tracing (a kernel's agreement record, its static part,
+is fixed when tracing); an alltoall without one row per rank and a
+reduce-scatter of a scalar (the Python engine raises their errors).
 
 An engine declares the device its ops run on (``device``): a GPU engine would
 be a third implementation of ``Engine`` whose kernels are registered for
@@ -174,7 +175,7 @@ class NativeEngine:
     name = "native"
     device = HOST
     KINDS = frozenset(
-        {"allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier"}
+        {"allreduce", "allgather", "broadcast", "alltoall", "alltoallv", "reducescatter", "barrier"}
     )
 
     def __init__(self, kernels: NativeComm) -> None:
@@ -185,8 +186,6 @@ class NativeEngine:
         return (
             collective.kind in self.KINDS
             and shapes is not None
-            and collective.timeout is None
-            and timeline_lib.current() is None
             # (the Python engine explains an alltoall without one row per rank,
             # and a reduce-scatter of a scalar)
             and (collective.kind != "alltoall" or shapes[0][:1] == (self._kernels.size,))
@@ -208,14 +207,17 @@ class NativeEngine:
 
     def _kernel(self, c: Collective, token: tf.Tensor, inputs: Outputs) -> Outputs:
         assert c.shapes is not None
+        kernels, timeout = self._kernels, c.timeout
         if c.kind == "allreduce":
-            return self._kernels.allreduce(token, inputs, c.op, c.shapes, c.contiguous)
+            return kernels.allreduce(token, inputs, c.op, c.shapes, c.contiguous, timeout)
         if c.kind == "broadcast":
-            return self._kernels.broadcast(token, inputs[0], c.root)
+            return kernels.broadcast(token, inputs[0], c.root, timeout)
         if c.kind == "alltoall":
-            return self._kernels.alltoall(token, inputs[0])
+            return kernels.alltoall(token, inputs[0], timeout)
+        if c.kind == "alltoallv":
+            return kernels.alltoallv(token, inputs[0], inputs[1], timeout)
         if c.kind == "reducescatter":
-            return self._kernels.reducescatter(token, inputs[0], c.op)
+            return kernels.reducescatter(token, inputs[0], c.op, timeout)
         if c.kind == "barrier":
-            return self._kernels.barrier(token)
-        return self._kernels.allgather(token, inputs)
+            return kernels.barrier(token, timeout)
+        return kernels.allgather(token, inputs, timeout)

@@ -321,8 +321,16 @@ class OrderedComm:
         """The first ``splits[r]`` rows after those for lower ranks go to rank
         ``r``; returns (the rows received, in rank order; how many from each rank)."""
         _check_not_xla("alltoall")
+        known = x.shape.rank is not None and x.shape[1:].is_fully_defined()
         out, received = self._ordered_call(
-            Collective("alltoallv", "MPIAlltoall", (x.dtype, tf.int64), timeout=timeout),
+            Collective(
+                "alltoallv",
+                "MPIAlltoall",
+                (x.dtype, tf.int64),
+                # (the agreement compares the shape beyond axis 0; a scalar's is ())
+                shapes=((tuple(x.shape[1:]),) if known else None),
+                timeout=timeout,
+            ),
             [x, tf.cast(splits, tf.int64)],
         )
         out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))

@@ -30,11 +30,11 @@ import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
-from mpi_strategy._src.core import kinds, protocol, ulfm
+from mpi_strategy._src.core import kinds, protocol, timeline, ulfm
 from mpi_strategy._src.core.collectives import REDUCTIONS, ArrayCollectives
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.process import PROCESS
-from mpi_strategy._src.core.protocol import Event, Op, Shape, State, as_int64
+from mpi_strategy._src.core.protocol import Event, Field, Op, Shape, State, as_int64
 from mpi_strategy._src.native import build
 
 KERNELS_ENV = "MPI_STRATEGY_KERNELS"
@@ -54,6 +54,9 @@ class NativeState:
     # The shapes a kernel's agreement compares, interned: a kernel holds the index.
     sites: dict[tuple[tuple[int, ...], ...], int] = field(default_factory=dict)
     shapes: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)
+    # The op names of kernels traced while a timeline records: a kernel holds
+    # its name's index + 1 (``trace``).
+    names: list[str] = field(default_factory=list)
     # The Python exception behind each communicator's last kernel error.
     errors: dict[int, BaseException] = field(default_factory=dict)
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -175,7 +178,7 @@ class NativeComm:
         _native().comms[self.id] = weakref.ref(collectives)
         state = collectives.agreement.state
         state[State.ENGINE] = self.id
-        _native().states.append(state)
+        _native().states.extend(collectives.agreement.shared_arrays)
         weakref.finalize(collectives, state.__setitem__, State.BLOCKED, 1)
         self._state = state.ctypes.data
         self.size = collectives.size
@@ -188,6 +191,7 @@ class NativeComm:
         op: str,
         shapes: Sequence[Shape],
         contiguous: bool = False,
+        timeout: float | None = None,
     ) -> list[tf.Tensor]:
         """[next token, *reduced tensors]: ``ArrayCollectives.allreduce`` in one kernel.
         ``shapes``: what the agreement compares (static). ``contiguous``: the
@@ -204,12 +208,14 @@ class NativeComm:
             mpi_op=as_int64(mpi_op.handle),
             mpi_dtype=as_int64(MPI.Datatype.fromcode(np.dtype(dtype).char).handle),
             contiguous=int(contiguous),
-            **self._site(kind, shapes, [dtype]),
+            **self._site(kind, shapes, [dtype], timeout=timeout, name="MPIAllreduce"),
         )
         return [next_token, *outputs]
 
     @tf.autograph.experimental.do_not_convert
-    def broadcast(self, token: tf.Tensor, tensor: tf.Tensor, root: int) -> list[tf.Tensor]:
+    def broadcast(
+        self, token: tf.Tensor, tensor: tf.Tensor, root: int, timeout: float | None = None
+    ) -> list[tf.Tensor]:
         """[next token, ``tensor`` as on ``root``]: ``ArrayCollectives.broadcast`` in one kernel."""
         shapes = [tuple(tensor.shape)]
         return self._ops.mpi_strategy_broadcast(  # (next token, output)
@@ -217,11 +223,20 @@ class NativeComm:
             token=token,
             input=tensor,
             root=root,
-            **self._site(kinds.BROADCAST, shapes, [tensor.dtype.as_numpy_dtype], f"root {root}"),
+            **self._site(
+                kinds.BROADCAST,
+                shapes,
+                [tensor.dtype.as_numpy_dtype],
+                f"root {root}",
+                timeout,
+                name="MPIBroadcast",
+            ),
         )
 
     @tf.autograph.experimental.do_not_convert
-    def allgather(self, token: tf.Tensor, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    def allgather(
+        self, token: tf.Tensor, tensors: Sequence[tf.Tensor], timeout: float | None = None
+    ) -> list[tf.Tensor]:
         """[next token, *gathered tensors]: ``ArrayCollectives.allgather`` in one
         kernel (the tensors' shapes beyond axis 0 known when tracing)."""
         row_shapes = [tuple(t.shape[1:]) for t in tensors]
@@ -230,32 +245,42 @@ class NativeComm:
             name="MPIAllgather",
             token=token,
             inputs=list(tensors),
-            **self._site(kinds.ALLGATHER, row_shapes, dtypes),
+            **self._site(kinds.ALLGATHER, row_shapes, dtypes, timeout=timeout, name="MPIAllgather"),
         )
         return [next_token, *outputs]
 
     @tf.autograph.experimental.do_not_convert
-    def barrier(self, token: tf.Tensor) -> list[tf.Tensor]:
+    def barrier(self, token: tf.Tensor, timeout: float | None = None) -> list[tf.Tensor]:
         """[next token, a scalar 0]: ``ArrayCollectives.barrier`` in one kernel."""
         return self._ops.mpi_strategy_barrier(  # (next token, output)
             name="MPIBarrier",
             token=token,
-            **self._site(kinds.BARRIER, [], [np.uint8]),
+            **self._site(kinds.BARRIER, [], [np.uint8], timeout=timeout, name="MPIBarrier"),
         )
 
     @tf.autograph.experimental.do_not_convert
-    def alltoall(self, token: tf.Tensor, tensor: tf.Tensor) -> list[tf.Tensor]:
+    def alltoall(
+        self, token: tf.Tensor, tensor: tf.Tensor, timeout: float | None = None
+    ) -> list[tf.Tensor]:
         """[next token, row r from rank r]: ``ArrayCollectives.alltoall`` in one
         kernel (``tensor`` has one row per rank)."""
         return self._ops.mpi_strategy_alltoall(  # (next token, output)
             name="MPIAlltoall",
             token=token,
             input=tensor,
-            **self._site(kinds.ALLTOALL, [tuple(tensor.shape)], [tensor.dtype.as_numpy_dtype]),
+            **self._site(
+                kinds.ALLTOALL,
+                [tuple(tensor.shape)],
+                [tensor.dtype.as_numpy_dtype],
+                timeout=timeout,
+                name="MPIAlltoall",
+            ),
         )
 
     @tf.autograph.experimental.do_not_convert
-    def reducescatter(self, token: tf.Tensor, tensor: tf.Tensor, op: str) -> list[tf.Tensor]:
+    def reducescatter(
+        self, token: tf.Tensor, tensor: tf.Tensor, op: str, timeout: float | None = None
+    ) -> list[tf.Tensor]:
         """[next token, this rank's rows of the reduction]: ``ArrayCollectives.reducescatter``
         in one kernel."""
         dtype = tensor.dtype.as_numpy_dtype
@@ -265,14 +290,56 @@ class NativeComm:
             input=tensor,
             mpi_op=as_int64(REDUCTIONS[op][1].handle),
             mpi_dtype=as_int64(MPI.Datatype.fromcode(np.dtype(dtype).char).handle),
-            **self._site(kinds.REDUCESCATTER, [tuple(tensor.shape)], [dtype], op),
+            **self._site(
+                kinds.REDUCESCATTER,
+                [tuple(tensor.shape)],
+                [dtype],
+                op,
+                timeout,
+                name="MPIReducescatter",
+            ),
+        )
+
+    @tf.autograph.experimental.do_not_convert
+    def alltoallv(
+        self,
+        token: tf.Tensor,
+        tensor: tf.Tensor,
+        splits: tf.Tensor,
+        timeout: float | None = None,
+    ) -> list[tf.Tensor]:
+        """[next token, the rows received in rank order, how many from each rank]:
+        ``ArrayCollectives.alltoallv`` in one kernel (``splits``: int64; the
+        tensor's shape beyond axis 0 known when tracing)."""
+        dtype = tensor.dtype.as_numpy_dtype
+        return self._ops.mpi_strategy_alltoallv(  # (next token, output, received)
+            name="MPIAlltoall",
+            token=token,
+            input=tensor,
+            splits=splits,
+            **self._site(
+                kinds.ALLTOALLV,
+                [tuple(tensor.shape[1:])],
+                [dtype],
+                timeout=timeout,
+                name="MPIAlltoall",
+            ),
         )
 
     def _site(
-        self, kind: kinds.Kind, shapes: Sequence[Shape], dtypes: list[Any], tag: str = ""
+        self,
+        kind: kinds.Kind,
+        shapes: Sequence[Shape],
+        dtypes: list[Any],
+        tag: str = "",
+        timeout: float | None = None,
+        *,
+        name: str,
     ) -> dict[str, int]:
         """The attributes that fix a kernel's record: what ``signature``
-        computes from these arguments, and where the shared state is."""
+        computes from these arguments, where the shared state is, and the
+        timeout (``timed``; its seconds as the bits of a double), and whether
+        a timeline records its runs (``trace``: the op ``name``'s number)."""
         code, count, layout = protocol.layout(shapes, [np.dtype(d) for d in dtypes], tag)
         return {
             "state": self._state,
@@ -282,11 +349,26 @@ class NativeComm:
             "count": count,
             "tensors": len(shapes),
             "layout": layout,
+            "timed": int(timeout is not None),
+            "timeout_bits": _bits(timeout or 0.0),
+            "trace": _name_id(name) if timeline.current() is not None else 0,
         }
 
     def take_error(self) -> BaseException | None:
         """The Python exception behind this communicator's last kernel error (once)."""
         return _native().errors.pop(self.id, None)
+
+
+def _bits(seconds: float) -> int:
+    """The bits of the double ``seconds``, as an int64 (an op attribute)."""
+    return int(np.array(seconds, np.float64).view(np.int64))
+
+
+def _name_id(name: str) -> int:
+    names = _native().names
+    if name not in names:
+        names.append(name)
+    return names.index(name) + 1
 
 
 def _site_id(shapes: Sequence[Shape]) -> int:
@@ -307,19 +389,7 @@ def _resolve(
         collectives = _native().comms[engine]()
         if collectives is None:
             raise MPIStrategyError("mpi_strategy: a collective ran on a freed communicator.")
-        if event == Event.BLOCKED:
-            collectives.guarded(lambda: None)()
-        elif event == Event.MPI_ERROR:
-            error = MPI.Exception(value)
-            if ulfm.is_process_failure(error):
-                raise collectives.ranks_lost(error) from error
-            raise error
-        else:
-            size, width = collectives.size, record_width(collectives)
-            records = np.ctypeslib.as_array(
-                (ctypes.c_uint8 * (size * width)).from_address(received)
-            ).reshape(size, width)
-            collectives.agreement.settle_compiled(records, _native().shapes[site])
+        _answer(collectives, Event(event), site, received, value)
         return 0
     except BaseException as error:  # noqa: BLE001 (every error becomes the kernel's)
         _native().errors[engine] = error
@@ -327,7 +397,51 @@ def _resolve(
         ctypes.memmove(message, text, len(text))
         ctypes.memset(message + len(text), 0, 1)
         code = getattr(error, "error_code", None)
+        if event == Event.TIMEOUT:  # (the class a tf.numpy_function gives it)
+            return _UNKNOWN
         return code if isinstance(code, int) and code else _UNKNOWN
+
+
+def _answer(
+    collectives: ArrayCollectives, event: Event, site: int, received: int, value: int
+) -> None:
+    """Python's part of ``_resolve``: returns to go on, else raises the error."""
+    if event == Event.BLOCKED:
+        collectives.guarded(lambda: None)()
+    elif event == Event.MPI_ERROR:
+        error = MPI.Exception(value)
+        if ulfm.is_process_failure(error):
+            raise collectives.ranks_lost(error) from error
+        raise error
+    elif event == Event.BAD_SPLITS:
+        raise _bad_splits(collectives, received, value)
+    elif event == Event.TRACE:  # (received: 3 doubles, 3 int64; value: the name's number)
+        told = np.ctypeslib.as_array((ctypes.c_int64 * 6).from_address(received)).copy()
+        times = told[:3].view(np.float64).tolist()
+        trace = timeline.current()
+        if trace is not None:
+            name = _native().names[value - 1]
+            collectives.record(trace, name, (times[0], times[1], times[2]), *told[3:5].tolist())
+    elif event == Event.TIMEOUT:  # (received: this rank's record; value: the timeout's bits)
+        mine = np.ctypeslib.as_array((ctypes.c_int64 * len(Field)).from_address(received))
+        timeout = float(np.array(value, np.int64).view(np.float64))
+        raise collectives.agreement.timed_out(mine.copy(), _native().shapes[site], timeout)
+    else:
+        size, width = collectives.size, record_width(collectives)
+        records = np.ctypeslib.as_array(
+            (ctypes.c_uint8 * (size * width)).from_address(received)
+        ).reshape(size, width)
+        collectives.agreement.settle_compiled(records, _native().shapes[site])
+
+
+def _bad_splits(collectives: ArrayCollectives, address: int, length: int) -> Exception:
+    """``ArrayCollectives.bad_splits`` from the kernel's int64 array at ``address``
+    (``length`` of them): this rank's rows, its k splits, then every rank's
+    splits and whether they fit (size rows of size + 1)."""
+    values = np.ctypeslib.as_array((ctypes.c_int64 * length).from_address(address)).copy()
+    rows, k = int(values[0]), int(values[1])
+    matrix = values[2 + k :].reshape(collectives.size, collectives.size + 1)
+    return collectives.bad_splits(matrix, values[2 : 2 + k].tolist(), rows)
 
 
 def record_width(collectives: ArrayCollectives) -> int:

@@ -14,7 +14,7 @@ from mpi_strategy import timeline
 from mpi_strategy._src.core import timeline as timeline_lib
 from mpi_strategy._src.core.collectives import ArrayCollectives
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
-from mpi_testing import RANK, SIZE, WORLD
+from mpi_testing import RANK, SIZE, WORLD, mpi_calls, on_python_engine
 
 pytestmark = pytest.mark.device_agnostic  # the timeline files, no strategy's devices
 
@@ -27,13 +27,26 @@ def _collectives(mpi):
     ]
 
 
-def test_every_collective_is_one_event_with_its_wait_and_transfer(monkeypatch, shared_dir):
+def _on_engine(ordered, engine):
+    """``ordered`` on ``engine`` ("native": the kernels, which take the
+    timestamps in C; "python": the numpy engine)."""
+    if engine == "python":
+        return on_python_engine(ordered)
+    if "native" not in ordered.engines and SIZE > 1:
+        pytest.skip("the native kernels are not in use (MPI_STRATEGY_KERNELS)")
+    return ordered
+
+
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_every_collective_is_one_event_with_its_wait_and_transfer(monkeypatch, shared_dir, engine):
     path = os.path.join(shared_dir, "trace.json")
     monkeypatch.setenv(timeline.ENV_VAR, path)
     step = tf.function(lambda: _collectives(mpi))
-    mpi = OrderedComm(WORLD)
+    mpi = _on_engine(OrderedComm(WORLD), engine)
     for _ in range(3):
         step()
+    types = {op.type for _, op in mpi_calls(step.get_concrete_function().graph)}
+    assert ("PyFunc" in types) == (engine == "python" and SIZE > 1), types
     if RANK == 0:
         time.sleep(0.3)  # the others wait for rank 0 in the next collective
     mpi.allreduce_sum(tf.ones([1000]))
@@ -64,16 +77,21 @@ def test_every_collective_is_one_event_with_its_wait_and_transfer(monkeypatch, s
         assert {e["pid"] for e in merged if e["ph"] == "X"} == set(range(SIZE))
 
 
-def test_off_by_default_the_collectives_are_not_wrapped(monkeypatch):
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_off_by_default_the_collectives_are_not_wrapped(monkeypatch, engine):
     monkeypatch.delenv(timeline.ENV_VAR, raising=False)
 
     def timed(*args):
         raise AssertionError("a collective was wrapped for the timeline while it is off")
 
     monkeypatch.setattr(ArrayCollectives, "timed", timed)
-    mpi = OrderedComm(WORLD)
-    out = tf.function(lambda: _collectives(mpi))()
+    monkeypatch.setattr(ArrayCollectives, "record", timed)
+    mpi = _on_engine(OrderedComm(WORLD), engine)
+    step = tf.function(lambda: _collectives(mpi))
+    out = step()
     np.testing.assert_array_equal(out[0].numpy(), np.full([1000], SIZE))
+    for _, op in mpi_calls(step.get_concrete_function().graph):  # (kernels: not timed)
+        assert op.type == "PyFunc" or op.get_attr("trace") == 0
 
 
 def test_a_file_cut_short_by_a_crash_still_reads(tmp_path):

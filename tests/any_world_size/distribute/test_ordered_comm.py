@@ -12,7 +12,7 @@ import tensorflow as tf
 from mpi_strategy._src.core import agreement, kinds
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError
-from mpi_testing import RANK, SIZE, WORLD, assert_same_on_all_ranks, on_python_engine
+from mpi_testing import RANK, SIZE, WORLD, assert_same_on_all_ranks, mpi_calls, on_python_engine
 
 pytestmark = pytest.mark.device_agnostic  # OrderedComm alone, no strategy
 
@@ -335,33 +335,52 @@ def test_different_collectives_on_different_ranks_raise_on_every_rank(mpi, in_fu
     assert float(mpi.allreduce_sum(tf.constant(1.0))) == SIZE  # still usable
 
 
+def _on_engine(ordered, engine):
+    """``ordered`` on ``engine``: "native", "python", or "mixed" (odd ranks
+    on the numpy engine, even ones on the kernels: both engines meet)."""
+    if engine == "python" or (engine == "mixed" and RANK % 2):
+        return on_python_engine(ordered)
+    if "native" not in ordered.engines and SIZE > 1:
+        pytest.skip("the native kernels are not in use (MPI_STRATEGY_KERNELS)")
+    return ordered
+
+
 @pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
 def test_collectives_with_a_timeout_wait_for_late_ranks(in_function):
-    """The polled path: ranks arrive at different times, within the timeout."""
-    mpi = OrderedComm(WORLD.Dup(), name_missing_ranks=True)
+    """The polled path: ranks arrive at different times, within the timeout;
+    even ranks poll in the kernels, odd ones in Python."""
+    mpi = _on_engine(OrderedComm(WORLD.Dup(), name_missing_ranks=True), "mixed")
 
     def step(x):
-        x = _rank_dependent_delay(x, 0.3 * RANK)
+        x = tf.ensure_shape(_rank_dependent_delay(x, 0.3 * RANK), [5])  # (known: kernels)
         summed = mpi.allreduce_sum(x, timeout=60)
-        return summed, mpi.allgather(x[: RANK + 1], timeout=60), mpi.broadcast(x, timeout=60)
+        gathered = mpi.allgather(x[: RANK + 1], timeout=60)
+        split, _ = mpi.alltoallv(tf.tile(x[:1], [SIZE]), [1] * SIZE, timeout=60)
+        mpi.barrier(timeout=60)
+        return summed, gathered, mpi.broadcast(x, timeout=60), split
 
     fn = tf.function(step) if in_function else step
     for _ in range(2):
-        summed, gathered, broadcast = fn(tf.fill([5], float(RANK + 1)))
+        summed, gathered, broadcast, split = fn(tf.fill([5], float(RANK + 1)))
         np.testing.assert_array_equal(summed.numpy(), np.full([5], SIZE * (SIZE + 1) / 2))
         np.testing.assert_array_equal(
             gathered.numpy(), np.concatenate([np.full([r + 1], r + 1.0) for r in range(SIZE)])
         )
         np.testing.assert_array_equal(broadcast.numpy(), np.ones([5]))
+        np.testing.assert_array_equal(split.numpy(), np.arange(1.0, SIZE + 1))
+    if in_function and SIZE > 1:  # (the timed collectives ran on this rank's engine)
+        types = {op.type for _, op in mpi_calls(fn.get_concrete_function(tf.ones([5])).graph)}
+        assert ("MpiStrategyAllreduce" in types) == (RANK % 2 == 0), types
 
 
+@pytest.mark.parametrize("engine", ["native", "python"])
 @pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
-def test_a_timeout_is_deadline_exceeded_in_eager_and_unknown_in_a_function(in_function):
+def test_a_timeout_is_deadline_exceeded_in_eager_and_unknown_in_a_function(in_function, engine):
     """Rank 0 enters a collective that the other ranks never reach."""
     if SIZE == 1:
         pytest.skip("needs a rank that does not come")
     comm = WORLD.Dup()  # unusable after the timeout: a communicator of its own
-    mpi = OrderedComm(comm)
+    mpi = _on_engine(OrderedComm(comm), engine)
 
     def step(x):
         return mpi.allreduce_sum(x, timeout=0.5)
@@ -380,6 +399,7 @@ def test_a_timeout_is_deadline_exceeded_in_eager_and_unknown_in_a_function(in_fu
                 fn,
                 tf.ones([4]),
             )
+            assert not mpi.agreement.usable
     finally:
         WORLD.Barrier()  # rank 0 has timed out
         if RANK != 0:
@@ -387,6 +407,40 @@ def test_a_timeout_is_deadline_exceeded_in_eager_and_unknown_in_a_function(in_fu
             # would follow), so that no request is left pending, while rank 0
             # waits in the barrier below, which progresses it.
             agreement.Agreement(comm).agree(kinds.ALLREDUCE, np.float32, [(4,)], timeout=60)
+        WORLD.Barrier()
+        comm.Free()
+
+
+@pytest.mark.parametrize("engine", ["native", "python", "mixed"])
+def test_a_timeout_names_the_ranks_that_never_arrived_on_both_engines(engine):
+    """Rank 0 gives up on collective #2; the others entered #1 only. Mixed:
+    the announcements cross between the engines."""
+    if SIZE == 1:
+        pytest.skip("needs a rank that does not come")
+    comm = WORLD.Dup()  # unusable after the timeout: a communicator of its own
+    mpi = _on_engine(OrderedComm(comm, name_missing_ranks=True), engine)
+    step = tf.function(lambda: mpi.allgather(tf.ones([RANK + 1, 2]), timeout=0.5))
+    step()  # collective #1, on every rank
+    others = list(range(1, SIZE))
+    try:
+        if RANK == 0:
+            _raised(
+                True,
+                tf.errors.UnknownError,
+                CollectiveTimeoutError,
+                re.escape(
+                    "timeout after 0.5 s on rank 0 in all_gather of 1 rows of 2 float32 "
+                    "elements (shapes (2,); collective #2 of this communicator): "
+                    f"rank(s) {others} never reached it (the last collective they entered: "
+                    + ", ".join(f"rank {r}: #1" for r in others)
+                    + ")."
+                ),
+                step,
+            )
+    finally:
+        WORLD.Barrier()  # rank 0 has timed out
+        if RANK != 0:  # (completes rank 0's pending exchange; the data is carried)
+            step()
         WORLD.Barrier()
         comm.Free()
 

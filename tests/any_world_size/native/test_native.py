@@ -145,7 +145,22 @@ def test_alltoall_and_barrier_give_the_same_bits_on_both_engines(engines):
     np.testing.assert_array_equal(native[0], everyone[:, RANK])
 
 
-def test_the_kernels_run_every_collective_but_the_alltoall_with_splits(engines):
+@pytest.mark.parametrize("width", [1, 300], ids=["carried", "sent"])
+def test_alltoall_with_splits_gives_the_same_bits_on_both_engines(engines, width):
+    # Rank r sends (r + d) % 3 rows to rank d (none for some), width 0 or more.
+    splits = tf.constant([(RANK + d) % 3 for d in range(SIZE)], tf.int32)
+    x = _random([int(tf.reduce_sum(splits)), width], tf.float32)
+    empty = tf.zeros([0, 0], tf.int8)
+    native, python = _both(
+        engines,
+        lambda o: (o.alltoallv(x, splits), o.alltoallv(empty, tf.zeros([SIZE], tf.int64))),
+        True,
+    )
+    _assert_same_bits(native, python)
+    np.testing.assert_array_equal(native[1], [(r + RANK) % 3 for r in range(SIZE)])
+
+
+def test_the_kernels_run_every_collective(engines):
     native = engines[0]
     x = tf.ones([SIZE, 2])
 
@@ -167,7 +182,7 @@ def test_the_kernels_run_every_collective_but_the_alltoall_with_splits(engines):
         "MpiStrategyAlltoall",
         "MpiStrategyReducescatter",
         "MpiStrategyBarrier",
-        "PyFunc",
+        "MpiStrategyAlltoallv",
     ]
     step()
 
@@ -187,10 +202,13 @@ def test_ranks_on_different_engines_meet_in_the_same_collectives(protocol):
         ordered.barrier()
         share = ordered.reducescatter(tf.ones([SIZE, 2]))
         swapped = ordered.alltoall(tf.fill([SIZE, 2], RANK))
-        return small, large, root, rows, share, swapped
+        split, counts = ordered.alltoallv(tf.fill([RANK * SIZE, 2], RANK), [RANK] * SIZE)
+        return small, large, root, rows, share, swapped, split, counts
 
     for _ in range(3):
-        small, large, root, rows, share, swapped = step()
+        small, large, root, rows, share, swapped, split, counts = step()
+        np.testing.assert_array_equal(counts, np.arange(SIZE))
+        np.testing.assert_array_equal(split[:, 0], np.repeat(np.arange(SIZE), np.arange(SIZE)))
         np.testing.assert_array_equal(share, np.full([1, 2], SIZE))
         np.testing.assert_array_equal(swapped[:, 0], np.arange(SIZE))
         np.testing.assert_array_equal(small, np.full(3, SIZE * (SIZE + 1) / 2))
@@ -221,6 +239,24 @@ def test_a_disagreement_raises_the_same_error_and_message_on_both_engines(engine
     assert "CollectiveMismatchError" in _message(native) if in_function else True
     if not in_function:
         assert isinstance(native, CollectiveMismatchError)
+    for ordered in engines:  # and both go on
+        np.testing.assert_array_equal(ordered.allreduce_sum(tf.ones([2])), [SIZE, SIZE])
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+def test_bad_splits_raise_the_same_error_and_message_on_both_engines(engines, in_function):
+    # Rank 0's splits exceed its rows, the last rank's are one too many.
+    splits = [2] * SIZE if RANK == 0 else [1] * (SIZE + (RANK == SIZE - 1))
+    errors = []
+    for ordered in engines:
+        call = lambda o=ordered: o.alltoallv(tf.ones([SIZE, 2]), splits)  # noqa: E731
+        with pytest.raises(tf.errors.InvalidArgumentError) as info:
+            (tf.function(call) if in_function else call)()
+        errors.append(info.value)
+    native, python = errors
+    assert type(native) is type(python)
+    assert _message(native) == _message(python)
+    assert f"splits of rank(s) {[0, SIZE - 1]} do not cut" in _message(native)
     for ordered in engines:  # and both go on
         np.testing.assert_array_equal(ordered.allreduce_sum(tf.ones([2])), [SIZE, SIZE])
 

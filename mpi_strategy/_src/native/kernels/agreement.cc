@@ -12,11 +12,12 @@
 namespace mpi_strategy_kernels {
 
 // Asks Python; false (and the error set on the context) unless it says go on.
-bool AskPython(TF_OpKernelContext* ctx, const Site& site, Event event, int64_t value) {
+bool AskPython(TF_OpKernelContext* ctx, const Site& site, Event event, int64_t value,
+               const void* data) {
   std::string message(4096, '\0');
-  int code = resolve(site.state->engine, event, site.site,
-                     const_cast<uint8_t*>(site.received.data()), value, message.data(),
-                     static_cast<int64_t>(message.size()));
+  if (data == nullptr) data = site.received.data();
+  int code = resolve(site.state->engine, event, site.site, const_cast<void*>(data), value,
+                     message.data(), static_cast<int64_t>(message.size()));
   if (code == TF_OK) return true;
   message.resize(strnlen(message.c_str(), message.size()));
   TF_Status* status = TF_NewStatus();
@@ -54,30 +55,38 @@ void Heard(State& state, int64_t notice) {
   }
 }
 
-bool Wait(TF_OpKernelContext* ctx, const Site& site, int rc, Handle* request) {
-  alignas(16) unsigned char status[64];  // (larger than any MPI's MPI_Status)
-  if (rc == 0) rc = mpi.Wait(request, status);
-  return MpiOk(ctx, site, rc);
-}
-
 // Above protocol.HASHED_ABOVE ranks: whether every rank's hash is this
 // one's (one Allreduce, max, of (hash, -hash, notice)).
-bool HashesAgree(TF_OpKernelContext* ctx, const Site& site, const int64_t* signature,
-                 bool* agreed) {
-  int64_t extremes[3] = {HashOf(signature), -HashOf(signature), signature[kNotice]};
+bool HashesAgree(TF_OpKernelContext* ctx, Site& site, const int64_t* signature, bool* agreed) {
+  site.extremes = {HashOf(signature), -HashOf(signature), signature[kNotice]};
+  int64_t* extremes = site.extremes.data();
+  if (!Announce(ctx, site)) return false;
   Handle request = 0;
   int rc = mpi.Iallreduce(reinterpret_cast<void*>(mpi.in_place), extremes, 3, mpi.int64, mpi.max,
                           static_cast<Handle>(site.state->agree_comm), &request);
-  if (!Wait(ctx, site, rc, &request)) return false;
+  if (!Complete(ctx, site, rc, &request)) return false;
   Heard(*site.state, extremes[2]);
   *agreed = extremes[0] == -extremes[1];
   return true;
 }
 
+namespace {
+bool Agreed(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
+            int64_t nbytes, bool* carried, int64_t rows);
+}  // namespace
+
 // The agreement (Agreement.agree_carrying): returns false on error (set on
 // the context); `carried` is true when every rank's data is in the records.
 bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
            int64_t nbytes, bool* carried, int64_t rows) {
+  if (!Agreed(ctx, site, token, data, nbytes, carried, rows)) return false;
+  if (site.trace != 0) site.agreed = Now();  // (Agreement.agreed_at)
+  return true;
+}
+
+namespace {
+bool Agreed(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
+            int64_t nbytes, bool* carried, int64_t rows) {
   State& state = *site.state;
   if (state.blocked && !AskPython(ctx, site, kBlocked, 0)) return false;
   const int64_t size = state.size, record_bytes = state.record_bytes;
@@ -108,11 +117,12 @@ bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
     if (!HashesAgree(ctx, site, signature, &agreed)) return false;
     if (agreed) return true;  // (else every record, to explain the disagreement)
   }
+  if (!Announce(ctx, site)) return false;
   Handle request = 0;
   int rc = mpi.Iallgather(site.record.data(), static_cast<int>(record_bytes), mpi.byte,
                           site.received.data(), static_cast<int>(record_bytes), mpi.byte,
                           static_cast<Handle>(state.agree_comm), &request);
-  if (!Wait(ctx, site, rc, &request)) return false;
+  if (!Complete(ctx, site, rc, &request)) return false;
   const int64_t* first = Signature(site, 0);
   bool differ = false;
   int64_t notice = 0;
@@ -130,6 +140,8 @@ bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
   for (int64_t r = 0; r < size; ++r) *carried &= Signature(site, r)[kBytes] <= state.carry_bytes;
   return true;
 }
+
+}  // namespace
 
 const uint8_t* CarriedData(const Site& site, int64_t rank) {
   return site.received.data() + rank * site.state->record_bytes + kSignatureBytes;

@@ -125,7 +125,7 @@ void AllgatherCompute(void* kernel, TF_OpKernelContext* ctx) {
               pack.total_rows) &&
         Gather(ctx, site, mine, carried, &everyone, &starts) &&
         Unpack(ctx, inputs, pack, everyone, starts, status)) {
-      SetToken(ctx, status);
+      SetToken(ctx, site, status);
     }
   }
   for (TF_Tensor* input : inputs) TF_DeleteTensor(input);
@@ -134,7 +134,7 @@ void AllgatherCompute(void* kernel, TF_OpKernelContext* ctx) {
 
 struct Registration {
   Registration() {
-    RegisterOp("MpiStrategyAllgather", "inputs: T", "outputs: T", false, &AllgatherCompute,
+    RegisterOp("MpiStrategyAllgather", "inputs: T", "outputs: T", false, &Traced<&AllgatherCompute>,
                "T: list(type)");
   }
 } registration;

@@ -89,7 +89,7 @@ void AllreduceContiguous(TF_OpKernelContext* ctx, Site& site, int64_t token,
     at += size;
     TF_DeleteTensor(out);
   }
-  SetToken(ctx, status);
+  SetToken(ctx, site, status);
 }
 
 void AllreducePacked(TF_OpKernelContext* ctx, Site& site, int64_t token, int n,
@@ -131,7 +131,7 @@ void AllreducePacked(TF_OpKernelContext* ctx, Site& site, int64_t token, int n,
           TF_SetOutput(ctx, handed + 1, out, status);
           TF_DeleteTensor(out);  // (the output holds the slot now)
         }
-        if (!Fail(ctx, status)) SetToken(ctx, status);
+        if (!Fail(ctx, status)) SetToken(ctx, site, status);
       }
       for (int i = handed; i < n; ++i) Release(slot);  // (the outputs not handed out)
     }
@@ -170,7 +170,7 @@ void AllreduceCompute(void* kernel, TF_OpKernelContext* ctx) {
     if (TF_GetCode(status) == TF_OK &&
         ReduceInPlace(ctx, site, token, TF_TensorType(out), TF_TensorData(out),
                       TF_TensorByteSize(out))) {
-      SetToken(ctx, status);
+      SetToken(ctx, site, status);
     }
     if (out != nullptr) TF_DeleteTensor(out);
   } else if (TF_GetCode(status) == TF_OK) {
@@ -182,7 +182,7 @@ void AllreduceCompute(void* kernel, TF_OpKernelContext* ctx) {
 struct Registration {
   Registration() {
     RegisterOp("MpiStrategyAllreduce", "inputs: N * T", "outputs: N * T", true,
-               &AllreduceCompute);
+               &Traced<&AllreduceCompute>);
   }
 } registration;
 

@@ -26,7 +26,7 @@ void BroadcastCompute(void* kernel, TF_OpKernelContext* ctx) {
                            static_cast<int>(site.root),
                            static_cast<Handle>(site.state->data_comm)));
     }
-    if (ok) SetToken(ctx, status);
+    if (ok) SetToken(ctx, site, status);
   }
   if (out != nullptr) TF_DeleteTensor(out);
   TF_DeleteStatus(status);
@@ -34,7 +34,7 @@ void BroadcastCompute(void* kernel, TF_OpKernelContext* ctx) {
 
 struct Registration {
   Registration() {
-    RegisterOp("MpiStrategyBroadcast", "input: T", "output: T", false, &BroadcastCompute);
+    RegisterOp("MpiStrategyBroadcast", "input: T", "output: T", false, &Traced<&BroadcastCompute>);
   }
 } registration;
 

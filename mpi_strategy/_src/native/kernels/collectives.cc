@@ -35,6 +35,7 @@
 // agreement is in agreement.cc, each collective in a file of its own.
 
 #include <dlfcn.h>
+#include <time.h>
 
 #include <cstring>
 #include <string>
@@ -75,6 +76,10 @@ void* Create(TF_OpKernelConstruction* ctx) {
   site->root = Attr(ctx, "root", status);
   site->op = Attr(ctx, "op", status);
   site->contiguous = Attr(ctx, "contiguous", status);
+  site->timed = Attr(ctx, "timed", status);
+  site->trace = Attr(ctx, "trace", status);
+  const int64_t bits = Attr(ctx, "timeout_bits", status);
+  std::memcpy(&site->timeout, &bits, sizeof(double));
   site->mpi_dtype = static_cast<Handle>(Attr(ctx, "mpi_dtype", status));
   site->mpi_op = static_cast<Handle>(Attr(ctx, "mpi_op", status));
   if (TF_GetCode(status) != TF_OK) TF_OpKernelConstruction_Failure(ctx, status);
@@ -97,7 +102,7 @@ std::vector<int64_t> Dims(const TF_Tensor* tensor) {
 }
 
 // Input 0 is the ordering token; output 0 is the token plus one.
-bool SetToken(TF_OpKernelContext* ctx, TF_Status* status) {
+bool SetToken(TF_OpKernelContext* ctx, Site& site, TF_Status* status) {
   TF_Tensor* token = nullptr;
   TF_GetInput(ctx, 0, &token, status);
   if (Fail(ctx, status)) return false;
@@ -107,7 +112,39 @@ bool SetToken(TF_OpKernelContext* ctx, TF_Status* status) {
   }
   TF_DeleteTensor(token);
   TF_DeleteTensor(next);
-  return TF_GetCode(status) == TF_OK;
+  site.done = TF_GetCode(status) == TF_OK;
+  return site.done;
+}
+
+double Now() {
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
+}
+
+int64_t InputBytes(TF_OpKernelContext* ctx) {
+  TF_Status* status = TF_NewStatus();
+  int64_t nbytes = 0;
+  for (int i = 1; i < TF_NumInputs(ctx); ++i) {
+    TF_Tensor* input = nullptr;
+    TF_GetInput(ctx, i, &input, status);
+    if (input != nullptr) nbytes += static_cast<int64_t>(TF_TensorByteSize(input));
+    if (input != nullptr) TF_DeleteTensor(input);
+  }
+  TF_DeleteStatus(status);
+  return nbytes;
+}
+
+// Python records (started, agreed, ended, bytes, tensors, collective): the
+// tensors as the Python engine counts them (small ones concatenated: one).
+void Trace(TF_OpKernelContext* ctx, const Site& site, double started, int64_t nbytes) {
+  const double ended = Now();
+  int64_t told[6] = {0, 0, 0, nbytes, site.contiguous ? 1 : TF_NumInputs(ctx) - 1,
+                     site.state->seq};
+  std::memcpy(&told[0], &started, 8);
+  std::memcpy(&told[1], &site.agreed, 8);
+  std::memcpy(&told[2], &ended, 8);
+  AskPython(ctx, site, kTrace, site.trace, told);
 }
 
 int64_t ReadToken(TF_OpKernelContext* ctx, TF_Status* status) {
@@ -153,7 +190,20 @@ void UnknownShapes(TF_ShapeInferenceContext* ctx, TF_Status* status) {
 const char* kIntAttrs[] = {"state: int", "site: int", "kind: int", "dtype_code: int",
                            "count: int", "tensors: int", "layout: int", "root: int = 0",
                            "op: int = 0", "mpi_dtype: int = 0", "mpi_op: int = 0",
-                           "contiguous: int = 0"};
+                           "contiguous: int = 0", "timed: int = 0", "timeout_bits: int = 0",
+                           "trace: int = 0"};
+
+// "a: T;b: int64" -> {"a: T", "b: int64"} (nullptr: none).
+std::vector<std::string> Specs(const char* list) {
+  std::vector<std::string> specs;
+  if (list == nullptr) return specs;
+  std::string rest = list;
+  for (size_t end; (end = rest.find(';')) != std::string::npos; rest = rest.substr(end + 1)) {
+    specs.push_back(rest.substr(0, end));
+  }
+  specs.push_back(rest);
+  return specs;
+}
 
 // `types`: "T: type" (one dtype) plus "N: int" when `listed`, or "T: list(type)".
 void RegisterOp(const char* name, const char* input, const char* output, bool listed,
@@ -161,9 +211,11 @@ void RegisterOp(const char* name, const char* input, const char* output, bool li
   TF_Status* status = TF_NewStatus();
   TF_OpDefinitionBuilder* op = TF_NewOpDefinitionBuilder(name);
   TF_OpDefinitionBuilderAddInput(op, "token: int64");
-  if (input != nullptr) TF_OpDefinitionBuilderAddInput(op, input);
+  for (const std::string& spec : Specs(input)) TF_OpDefinitionBuilderAddInput(op, spec.c_str());
   TF_OpDefinitionBuilderAddOutput(op, "next_token: int64");
-  TF_OpDefinitionBuilderAddOutput(op, output);
+  for (const std::string& spec : Specs(output)) {
+    TF_OpDefinitionBuilderAddOutput(op, spec.c_str());
+  }
   if (types != nullptr) TF_OpDefinitionBuilderAddAttr(op, types);
   if (listed) TF_OpDefinitionBuilderAddAttr(op, "N: int >= 1");
   for (const char* attr : kIntAttrs) TF_OpDefinitionBuilderAddAttr(op, attr);
@@ -213,6 +265,11 @@ extern "C" const char* mpi_strategy_native_init(const char* mpi4py_library, intp
   Find(library, "MPI_Allgather", &mpi.Allgather, &missing);
   Find(library, "MPI_Alltoall", &mpi.Alltoall, &missing);
   Find(library, "MPI_Reduce_scatter", &mpi.Reduce_scatter, &missing);
+  Find(library, "MPI_Alltoallv", &mpi.Alltoallv, &missing);
+  Find(library, "MPI_Test", &mpi.Test, &missing);
+  Find(library, "MPI_Isend", &mpi.Isend, &missing);
+  Find(library, "MPI_Iprobe", &mpi.Iprobe, &missing);
+  Find(library, "MPI_Recv", &mpi.Recv, &missing);
   if (missing != nullptr) return missing;
   mpi.in_place = in_place;
   mpi.byte = byte;

@@ -33,6 +33,12 @@ struct Mpi {
   int (*Allgather)(const void*, int, Handle, void*, int, Handle, Handle) = nullptr;
   int (*Alltoall)(const void*, int, Handle, void*, int, Handle, Handle) = nullptr;
   int (*Reduce_scatter)(const void*, void*, const int*, Handle, Handle, Handle) = nullptr;
+  int (*Alltoallv)(const void*, const int*, const int*, Handle, void*, const int*, const int*,
+                   Handle, Handle) = nullptr;
+  int (*Test)(Handle*, int*, void*) = nullptr;
+  int (*Isend)(const void*, int, Handle, int, int, Handle, Handle*) = nullptr;
+  int (*Iprobe)(int, int, Handle, int*, void*) = nullptr;
+  int (*Recv)(void*, int, Handle, int, int, Handle, void*) = nullptr;
   Handle in_place = 0;
   Handle byte = 0;
   Handle int64 = 0;
@@ -103,27 +109,61 @@ struct Site {
   int64_t site = 0, kind = 0, dtype_code = 0, count = 0, tensors = 0, layout = 0, root = 0;
   int64_t op = kSum;  // (protocol.Op)
   int64_t contiguous = 0;  // 1: tensors packed back to back (as concatenated)
+  int64_t timed = 0;  // 1: the agreement's exchange gives up after `timeout` seconds
+  double timeout = 0;
+  int64_t trace = 0;  // a timeline records: the op's name (Python's number for it), else 0
+  double agreed = 0;  // Now() when the last agreement completed
+  bool done = false;  // the last run succeeded (SetToken)
   Handle mpi_dtype = 0, mpi_op = 0;
   std::vector<uint8_t> record, received, scratch;
+  std::vector<int64_t> extremes;  // (the hashed agreement's Iallreduce)
   Pool pool;
 };
 
 // The agreement (agreement.cc).
-bool AskPython(TF_OpKernelContext* ctx, const Site& site, Event event, int64_t value);
+// `data`: what Python reads (default: the records gathered, site.received).
+bool AskPython(TF_OpKernelContext* ctx, const Site& site, Event event, int64_t value,
+               const void* data = nullptr);
 bool MpiOk(TF_OpKernelContext* ctx, const Site& site, int rc);
 const int64_t* Signature(const Site& site, int64_t rank);
 bool Agree(TF_OpKernelContext* ctx, Site& site, int64_t token, const void* data,
            int64_t nbytes, bool* carried, int64_t rows = 0);
 const uint8_t* CarriedData(const Site& site, int64_t rank);
 
+// A timeout (timeouts.cc, as core/timeouts.py): before a timed exchange,
+// Announce tells the other ranks this collective's number; Complete waits for
+// the exchange (polled until the deadline when timed; then Python's timeout
+// error, false), then reads the announcements that arrived.
+bool Announce(TF_OpKernelContext* ctx, const Site& site);
+bool Complete(TF_OpKernelContext* ctx, Site& site, int rc, Handle* request);
+
 // Tensors and ops (collectives.cc).
 bool Fail(TF_OpKernelContext* ctx, TF_Status* status);
 std::vector<int64_t> Dims(const TF_Tensor* tensor);
-bool SetToken(TF_OpKernelContext* ctx, TF_Status* status);
+bool SetToken(TF_OpKernelContext* ctx, Site& site, TF_Status* status);
 int64_t ReadToken(TF_OpKernelContext* ctx, TF_Status* status);
 std::vector<TF_Tensor*> Inputs(TF_OpKernelContext* ctx, int n, TF_Status* status);
 TF_Tensor* OutputLike(TF_OpKernelContext* ctx, int index, TF_Status* status);
-// `input`, `types`: nullptr for none (an op of the token alone).
+// The timeline (as ArrayCollectives.timed): the clock of Python's
+// time.perf_counter, and Python's event for a run of `site` that succeeded.
+double Now();
+int64_t InputBytes(TF_OpKernelContext* ctx);
+void Trace(TF_OpKernelContext* ctx, const Site& site, double started, int64_t nbytes);
+
+// `Compute`, timed for the timeline when one records (site.trace).
+template <void (*Compute)(void*, TF_OpKernelContext*)>
+void Traced(void* kernel, TF_OpKernelContext* ctx) {
+  Site& site = *static_cast<Site*>(kernel);
+  if (site.trace == 0) return Compute(kernel, ctx);
+  site.done = false;
+  const double started = Now();
+  const int64_t nbytes = InputBytes(ctx);
+  Compute(kernel, ctx);
+  if (site.done) Trace(ctx, site, started, nbytes);
+}
+
+// `input`, `types`: nullptr for none (an op of the token alone); `input` and
+// `output` may list several, separated by ";".
 void RegisterOp(const char* name, const char* input, const char* output, bool listed,
                 void (*compute)(void*, TF_OpKernelContext*), const char* types = "T: type");
 

@@ -19,7 +19,7 @@ void BarrierCompute(void* kernel, TF_OpKernelContext* ctx) {
     TF_Tensor* zero = TF_AllocateOutput(ctx, 1, TF_INT32, nullptr, 0, 4, status);
     if (!Fail(ctx, status)) {
       *static_cast<int32_t*>(TF_TensorData(zero)) = 0;
-      SetToken(ctx, status);
+      SetToken(ctx, site, status);
     }
     if (zero != nullptr) TF_DeleteTensor(zero);
   }
@@ -38,7 +38,7 @@ void AfterAgreeing(void* kernel, TF_OpKernelContext* ctx, Body body) {
   bool carried = false;
   if (TF_GetCode(status) == TF_OK && Agree(ctx, site, token, nullptr, 0, &carried) &&
       body(site, inputs[0], status)) {
-    SetToken(ctx, status);
+    SetToken(ctx, site, status);
   }
   for (TF_Tensor* input : inputs) TF_DeleteTensor(input);
   TF_DeleteStatus(status);
@@ -94,10 +94,11 @@ void ReducescatterCompute(void* kernel, TF_OpKernelContext* ctx) {
 
 struct Registration {
   Registration() {
-    RegisterOp("MpiStrategyBarrier", nullptr, "output: int32", false, &BarrierCompute, nullptr);
-    RegisterOp("MpiStrategyAlltoall", "input: T", "output: T", false, &AlltoallCompute);
+    RegisterOp("MpiStrategyBarrier", nullptr, "output: int32", false, &Traced<&BarrierCompute>,
+               nullptr);
+    RegisterOp("MpiStrategyAlltoall", "input: T", "output: T", false, &Traced<&AlltoallCompute>);
     RegisterOp("MpiStrategyReducescatter", "input: T", "output: T", false,
-               &ReducescatterCompute);
+               &Traced<&ReducescatterCompute>);
   }
 } registration;
 
