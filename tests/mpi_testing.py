@@ -48,20 +48,20 @@ def saved_weights(path):
         return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
 
 
-# The op types of an MPI collective in a graph: the numpy engine's
-# tf.numpy_function, or a native kernel (named like it: MPIAllreduce, ...).
-MPI_OP_TYPES = frozenset(
-    {
-        "PyFunc",
-        "MpiStrategyAllreduce",
-        "MpiStrategyBroadcast",
-        "MpiStrategyAllgather",
-        "MpiStrategyAlltoall",
-        "MpiStrategyReducescatter",
-        "MpiStrategyBarrier",
-        "MpiStrategyAlltoallv",
-    }
+# The native kernels' op types, in the order of OrderedComm's methods (named
+# like the numpy engine's ops: MPIAllreduce, ...).
+NATIVE_OP_TYPES = (
+    "MpiStrategyAllreduce",
+    "MpiStrategyBroadcast",
+    "MpiStrategyAllgather",
+    "MpiStrategyAlltoall",
+    "MpiStrategyReducescatter",
+    "MpiStrategyBarrier",
+    "MpiStrategyAlltoallv",
 )
+# The op types of an MPI collective in a graph: the numpy engine's
+# tf.numpy_function, or a native kernel.
+MPI_OP_TYPES = frozenset({"PyFunc", *NATIVE_OP_TYPES})
 
 
 def mpi_calls(graph):

@@ -17,6 +17,7 @@ from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.native import engine as native_engine
 from mpi_strategy.errors import CollectiveMismatchError
 from mpi_testing import (
+    NATIVE_OP_TYPES,
     RANK,
     SIZE,
     WORLD,
@@ -175,15 +176,7 @@ def test_the_kernels_run_every_collective(engines):
         native.alltoallv(x, tf.ones([SIZE], tf.int32))
 
     graph = step.get_concrete_function().graph
-    assert [op.type for _, op in mpi_calls(graph)] == [
-        "MpiStrategyAllreduce",
-        "MpiStrategyBroadcast",
-        "MpiStrategyAllgather",
-        "MpiStrategyAlltoall",
-        "MpiStrategyReducescatter",
-        "MpiStrategyBarrier",
-        "MpiStrategyAlltoallv",
-    ]
+    assert [op.type for _, op in mpi_calls(graph)] == list(NATIVE_OP_TYPES)
     step()
 
 
@@ -227,38 +220,40 @@ def _message(error):
 
 @pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
 def test_a_disagreement_raises_the_same_error_and_message_on_both_engines(engines, in_function):
-    errors = []
-    for ordered in engines:
-        call = lambda o=ordered: o.allreduce_sum(tf.ones([RANK + 1]))  # noqa: E731
-        with pytest.raises(tf.errors.InvalidArgumentError) as info:
-            (tf.function(call) if in_function else call)()
-        errors.append(info.value)
-    native, python = errors
-    assert type(native) is type(python)
-    assert _message(native) == _message(python)
+    native = _same_error_on_both_engines(
+        engines, in_function, lambda o: o.allreduce_sum(tf.ones([RANK + 1]))
+    )
     assert "CollectiveMismatchError" in _message(native) if in_function else True
     if not in_function:
         assert isinstance(native, CollectiveMismatchError)
-    for ordered in engines:  # and both go on
-        np.testing.assert_array_equal(ordered.allreduce_sum(tf.ones([2])), [SIZE, SIZE])
 
 
 @pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
 def test_bad_splits_raise_the_same_error_and_message_on_both_engines(engines, in_function):
     # Rank 0's splits exceed its rows, the last rank's are one too many.
     splits = [2] * SIZE if RANK == 0 else [1] * (SIZE + (RANK == SIZE - 1))
+    native = _same_error_on_both_engines(
+        engines, in_function, lambda o: o.alltoallv(tf.ones([SIZE, 2]), splits)
+    )
+    assert f"splits of rank(s) {[0, SIZE - 1]} do not cut" in _message(native)
+
+
+def _same_error_on_both_engines(engines, in_function, collective):
+    """Runs the failing ``collective(ordered)`` on each engine (eagerly or in a
+    tf.function); asserts the same error class and message, and that both
+    engines go on. Returns the native engine's error."""
     errors = []
     for ordered in engines:
-        call = lambda o=ordered: o.alltoallv(tf.ones([SIZE, 2]), splits)  # noqa: E731
+        call = lambda o=ordered: collective(o)  # noqa: E731
         with pytest.raises(tf.errors.InvalidArgumentError) as info:
             (tf.function(call) if in_function else call)()
         errors.append(info.value)
     native, python = errors
     assert type(native) is type(python)
     assert _message(native) == _message(python)
-    assert f"splits of rank(s) {[0, SIZE - 1]} do not cut" in _message(native)
     for ordered in engines:  # and both go on
         np.testing.assert_array_equal(ordered.allreduce_sum(tf.ones([2])), [SIZE, SIZE])
+    return native
 
 
 def test_a_retired_communicator_raises_its_error_from_the_kernels(protocol):
