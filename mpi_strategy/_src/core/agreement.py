@@ -100,8 +100,11 @@ class Agreement:
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         # The collective number, the previous ordering token and the partial
         # meeting this rank is in live in ``state``, which compiled kernels
-        # share (``State``).
-        self.state = np.zeros(len(State), np.int64)
+        # share (``State``), followed in one block by the announcements.
+        self._announcements = timeouts.Announcements(comm, name_missing_ranks)
+        self.block = np.zeros(len(State) + self._announcements.words, np.int64)
+        self.state = self.block[: len(State)]
+        self._announcements.use(self.block[len(State) :])
         self.state[State.NOTICE] = PROCESS.notice
         PROCESS.agreements.add(self)
         self.state[State.RECORD_BYTES] = record_bytes(self._size)
@@ -111,10 +114,7 @@ class Agreement:
         self.hashed = self._size > protocol.HASHED_ABOVE
         self.state[State.HASHED] = int(self.hashed)
         self._hash_agreed = False  # the last exchange agreed by hash (no records gathered)
-        self._announcements = timeouts.Announcements(comm, name_missing_ranks)
-        if self._announcements.handle:
-            self.state[State.ANNOUNCE_COMM] = self._announcements.handle
-            self.state[State.ANNOUNCEMENTS] = self._announcements.shared.ctypes.data
+        self.state[State.ANNOUNCE_COMM] = self._announcements.handle
         self._mismatch_error, self._timeout_error = mismatch_error, timeout_error
         self.solo_with: list[int] = []  # after a partial meeting: the ranks in the same one
         self.usable = True  # False once a timeout left a request pending
@@ -122,10 +122,12 @@ class Agreement:
         self._received = np.empty((0, 0), np.uint8)  # every rank's record of the last exchange
         self.agreed_at = 0.0  # time.perf_counter() when the last agreement completed
 
-    @property
-    def shared_arrays(self) -> tuple[np.ndarray, ...]:
-        """The arrays whose addresses the native kernels hold (``State``)."""
-        return self.state, self._announcements.shared
+    def move_to(self, block: np.ndarray) -> None:
+        """Keeps the shared state in ``block`` (int64, the size of ``block``)
+        from now on: the native engine's memory, which its kernels find."""
+        block[:] = self.block
+        self.block, self.state = block, block[: len(State)]
+        self._announcements.use(block[len(State) :])
 
     @property
     def seq(self) -> int:

@@ -53,8 +53,9 @@ SIGNATURE_BYTES = 8 * len(Field)
 
 class State(enum.IntEnum):
     """The int64 fields of a communicator's shared state (``Agreement.state``),
-    which the kernels read and write through its address; the ordering token
-    serialises the collectives that touch it."""
+    which the kernels read and write too; the ordering token serialises the
+    collectives that touch it. The announcements' words follow it in the same
+    block (``Agreement.block``) when ANNOUNCE_COMM is set."""
 
     SEQ = 0  # the number of the last collective
     TOKEN = 1  # the ordering token of the previous collective
@@ -72,7 +73,6 @@ class State(enum.IntEnum):
     NOTICED = 13  # the notice some rank sent, once an agreement carried it (0: none)
     NOTICED_AT = 14  # the collective whose agreement first carried it
     ANNOUNCE_COMM = 15  # the MPI handle of the announcements' communicator (0: none)
-    ANNOUNCEMENTS = 16  # the address of ``timeouts.Announcements.shared`` (0: none)
 
 
 class Event(enum.IntEnum):

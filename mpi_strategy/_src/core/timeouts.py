@@ -29,10 +29,11 @@ class Announcements:
     announcements travel on a duplicate of ``comm``, created here and freed
     with this object, so that they never match another message.
 
-    ``shared`` (int64), which the native kernels read and write through its
-    address (``protocol.State.ANNOUNCEMENTS``): the last collective each rank
-    entered (``size`` of them), then the kernels' outgoing number and their
-    pending send requests (one per rank, 0 for none).
+    ``shared`` (int64, ``words`` of them; none when disabled), which the
+    native kernels read and write too (it follows ``protocol.State`` in the
+    agreement's block): the last collective each rank entered (``size`` of
+    them), then the kernels' outgoing number and their pending send requests
+    (one per rank, 0 for none).
     """
 
     def __init__(self, comm: MPI.Intracomm, enabled: bool) -> None:
@@ -40,9 +41,14 @@ class Announcements:
         self._comm = comm.Dup() if enabled and self._size > 1 else None
         if self._comm is not None:  # freed with this object (not at exit)
             weakref.finalize(self, self._comm.Free).atexit = False
-        self.shared = np.zeros(2 * self._size + 1, np.int64)
-        self._last_seen = self.shared[: self._size]  # last collective each rank entered
+        self.words = 0 if self._comm is None else 2 * self._size + 1
+        self.use(np.zeros(self.words, np.int64))
         self._sends: list[tuple[MPI.Request, np.ndarray]] = []
+
+    def use(self, shared: np.ndarray) -> None:
+        """Keeps the announcements in ``shared`` (``words`` int64) from now on."""
+        self.shared = shared
+        self._last_seen = shared[: self._size]  # last collective each rank entered
 
     def announce(self, seq: int) -> None:
         """Tells every other rank that this rank enters collective ``seq``."""

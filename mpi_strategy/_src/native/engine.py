@@ -9,9 +9,11 @@ results bit for bit, so ranks on different engines still meet correctly.
 A kernel runs without Python: the static part of its agreement record is an
 attribute fixed when tracing, the dynamic part (collective number, ordering
 token, the partial meeting this rank is in) lives in the agreement's
-``state`` array, which the kernel reads and writes through its address. Python
-runs only on the error path (``_resolve``), where it writes the messages and
-chooses the error classes of the Python engine.
+``state``, in memory the library owns (``kernels/shared_state.cc``), which the
+kernel finds by its communicator's id (an attribute: never an address, so a
+graph that outlives its communicator, or comes from another process, finds
+it gone). Python runs only on the error path (``_resolve``), where it writes
+the messages and chooses the error classes of the Python engine.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import secrets
 import sys
 import weakref
 from collections.abc import Sequence
@@ -45,12 +48,8 @@ _UNKNOWN = 2  # TF_Code of an exception that is not a tf.errors class
 class NativeState:
     """The native engine's part of the process state (``PROCESS.of``)."""
 
-    # Each communicator by its engine id (``State.ENGINE``), for the error path.
+    # Each open communicator by its engine id (``State.ENGINE``), for the error path.
     comms: dict[int, weakref.ref[ArrayCollectives]] = field(default_factory=dict)
-    # Every communicator's shared state array, whose address a traced kernel
-    # holds as an attribute: kept as long as the process, since a traced
-    # function may outlive its communicator (its kernel then finds BLOCKED set).
-    states: list[np.ndarray] = field(default_factory=list)
     # The shapes a kernel's agreement compares, interned: a kernel holds the index.
     sites: dict[tuple[tuple[int, ...], ...], int] = field(default_factory=dict)
     shapes: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)
@@ -59,7 +58,11 @@ class NativeState:
     names: list[str] = field(default_factory=list)
     # The Python exception behind each communicator's last kernel error.
     errors: dict[int, BaseException] = field(default_factory=dict)
-    ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    # Engine ids: this process's random salt (a graph from another process
+    # names no communicator here), then a count.
+    ids: itertools.count[int] = field(
+        default_factory=lambda: itertools.count((secrets.randbits(30) + 1) << 32)
+    )
     # The loaded kernels (None: the Python engine), once ``kernels()`` chose.
     kernels: Kernels | None = None
     chosen: bool = False
@@ -106,6 +109,31 @@ class Kernels:
                 f"the MPI library mpi4py loaded ({mpi4py.MPI.__file__}) lacks "
                 f"{missing.decode()} (or was not found)"
             )
+        library.mpi_strategy_state_open.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        library.mpi_strategy_state_open.restype = ctypes.c_void_p
+        library.mpi_strategy_state_close.argtypes = [ctypes.c_int64]
+        library.mpi_strategy_states_open.restype = ctypes.c_int64
+        self._library = library
+
+    def open_state(self, engine: int, words: int) -> np.ndarray:
+        """A zeroed int64 block of ``words`` for communicator ``engine``, in the
+        library's memory: the kernels find it by ``engine`` until the returned
+        array and every view of it are gone (then the library frees it once
+        no kernel runs on it)."""
+        address = self._library.mpi_strategy_state_open(engine, words)
+        if not address:
+            raise MPIStrategyError(f"mpi_strategy: engine id {engine} is taken")
+        memory = (ctypes.c_int64 * words).from_address(address)
+        weakref.finalize(memory, self._close, engine).atexit = False
+        return np.ctypeslib.as_array(memory)
+
+    def _close(self, engine: int) -> None:
+        _native().comms.pop(engine, None)
+        self._library.mpi_strategy_state_close(engine)
+
+    def states_open(self) -> int:
+        """How many communicators' blocks are open (``open_state``)."""
+        return int(self._library.mpi_strategy_states_open())
 
 
 def check_protocol(library: ctypes.CDLL, path: object) -> None:
@@ -175,12 +203,10 @@ class NativeComm:
     def __init__(self, kernels: Kernels, collectives: ArrayCollectives) -> None:
         self._ops = kernels.ops
         self.id = next(_native().ids)
+        agreement = collectives.agreement
+        agreement.move_to(kernels.open_state(self.id, agreement.block.size))
+        agreement.state[State.ENGINE] = self.id
         _native().comms[self.id] = weakref.ref(collectives)
-        state = collectives.agreement.state
-        state[State.ENGINE] = self.id
-        _native().states.extend(collectives.agreement.shared_arrays)
-        weakref.finalize(collectives, state.__setitem__, State.BLOCKED, 1)
-        self._state = state.ctypes.data
         self.size = collectives.size
 
     @tf.autograph.experimental.do_not_convert
@@ -342,7 +368,7 @@ class NativeComm:
         a timeline records its runs (``trace``: the op ``name``'s number)."""
         code, count, layout = protocol.layout(shapes, [np.dtype(d) for d in dtypes], tag)
         return {
-            "state": self._state,
+            "engine": self.id,
             "site": _site_id(shapes),
             "kind": kind.code,
             "dtype_code": code,
@@ -386,9 +412,14 @@ def _resolve(
     """A kernel's error path (kernels/agreement.cc ``AskPython``): 0 to go on, else a
     TF_Code, with the message written to ``message``."""
     try:
-        collectives = _native().comms[engine]()
+        held = _native().comms.get(engine)
+        collectives = None if held is None else held()
         if collectives is None:
-            raise MPIStrategyError("mpi_strategy: a collective ran on a freed communicator.")
+            raise MPIStrategyError(
+                "mpi_strategy: a collective ran on a communicator that is gone: freed with "
+                "its strategy, or of another process (a graph with MPI collectives runs "
+                "only in the process that built it)."
+            )
         _answer(collectives, Event(event), site, received, value)
         return 0
     except BaseException as error:  # noqa: BLE001 (every error becomes the kernel's)

@@ -7,12 +7,14 @@ engines; here the two engines' results are compared with each other, bit for
 bit, on random data whose sums depend on the order of operations.
 """
 
+import gc
 import re
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from mpi_strategy._src.core.protocol import State
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.native import engine as native_engine
 from mpi_strategy.errors import CollectiveMismatchError
@@ -265,6 +267,59 @@ def test_a_retired_communicator_raises_its_error_from_the_kernels(protocol):
         tf.errors.UnknownError, match="RuntimeError: this communicator was replaced"
     ):
         tf.function(lambda: native.broadcast(tf.ones([2])))()
+
+
+def _traced_allreduce(ordered):
+    """A concrete function of one all-reduce of ``ordered``, holding no
+    reference to it (as a graph that outlives its communicator)."""
+    return tf.function(lambda x: ordered.allreduce_sum(x)).get_concrete_function(
+        tf.TensorSpec([2], tf.float32)
+    )
+
+
+def test_a_graph_that_outlives_its_communicator_raises_and_its_state_is_freed(protocol):
+    # The kernels find their communicator's state by id in the library's
+    # memory, which goes with the communicator (not with the process).
+    kernels = native_engine.kernels()
+    gc.collect()
+    before = kernels.states_open()
+    ordered = _ordered_comm(protocol)
+    assert kernels.states_open() == before + 1
+    step = _traced_allreduce(ordered)
+    np.testing.assert_array_equal(step(tf.ones([2])), [SIZE, SIZE])
+    del ordered
+    gc.collect()
+    assert kernels.states_open() == before
+    with pytest.raises(tf.errors.UnknownError, match="a communicator that is gone"):
+        step(tf.ones([2]))
+
+
+def test_a_graph_from_another_process_finds_no_communicator_here(protocol):
+    # A GraphDef written by another process (here: this one's, with the
+    # engine id another process's salt would give) raises, and MPI is not called.
+    ordered = _ordered_comm(protocol)
+    ids = gather_from_all_ranks(ordered.agreement.state[State.ENGINE])
+    assert len(set(ids.ravel().tolist())) == SIZE, ids  # (each process's ids are its own)
+    graph_def = _traced_allreduce(ordered).graph.as_graph_def()
+    kernels = [n for n in graph_def.node if n.op.startswith("MpiStrategy")]
+    assert [n.op for n in kernels] == ["MpiStrategyAllreduce"]
+    kernels[0].attr["engine"].i ^= 1 << 40
+    inputs = {n.attr["dtype"].type: n.name for n in graph_def.node if n.op == "Placeholder"}
+    x, token = inputs[tf.float32.as_datatype_enum], inputs[tf.resource.as_datatype_enum]
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        feed = tf.compat.v1.placeholder(tf.float32, [2])
+        variable = tf.compat.v1.get_variable(
+            "token", initializer=tf.constant(0, tf.int64), use_resource=True
+        )
+        result = tf.graph_util.import_graph_def(
+            graph_def,
+            input_map={x: feed, token: variable.handle},
+            return_elements=[f"{kernels[0].name}:1"],
+        )
+        session.run(variable.initializer)
+        with pytest.raises(tf.errors.UnknownError, match="a communicator that is gone"):
+            session.run(result, {feed: [1.0, 1.0]})
+    np.testing.assert_array_equal(ordered.allreduce_sum(tf.ones([2])), [SIZE, SIZE])
 
 
 def test_the_engine_in_use_is_reported():

@@ -16,7 +16,7 @@ bool AskPython(TF_OpKernelContext* ctx, const Site& site, Event event, int64_t v
                const void* data) {
   std::string message(4096, '\0');
   if (data == nullptr) data = site.received.data();
-  int code = resolve(site.state->engine, event, site.site, const_cast<void*>(data), value,
+  int code = resolve(site.engine, event, site.site, const_cast<void*>(data), value,
                      message.data(), static_cast<int64_t>(message.size()));
   if (code == TF_OK) return true;
   message.resize(strnlen(message.c_str(), message.size()));

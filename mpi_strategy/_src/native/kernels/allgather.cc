@@ -134,7 +134,7 @@ void AllgatherCompute(void* kernel, TF_OpKernelContext* ctx) {
 
 struct Registration {
   Registration() {
-    RegisterOp("MpiStrategyAllgather", "inputs: T", "outputs: T", false, &Traced<&AllgatherCompute>,
+    RegisterOp("MpiStrategyAllgather", "inputs: T", "outputs: T", false, &Run<&AllgatherCompute>,
                "T: list(type)");
   }
 } registration;

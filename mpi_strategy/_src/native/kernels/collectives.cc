@@ -66,7 +66,7 @@ int64_t Attr(TF_OpKernelConstruction* ctx, const char* name, TF_Status* status) 
 void* Create(TF_OpKernelConstruction* ctx) {
   TF_Status* status = TF_NewStatus();
   auto* site = new Site;
-  site->state = reinterpret_cast<State*>(Attr(ctx, "state", status));
+  site->engine = Attr(ctx, "engine", status);
   site->site = Attr(ctx, "site", status);
   site->kind = Attr(ctx, "kind", status);
   site->dtype_code = Attr(ctx, "dtype_code", status);
@@ -187,7 +187,7 @@ void UnknownShapes(TF_ShapeInferenceContext* ctx, TF_Status* status) {
   TF_ShapeInferenceContextSetUnknownShape(ctx, status);
 }
 
-const char* kIntAttrs[] = {"state: int", "site: int", "kind: int", "dtype_code: int",
+const char* kIntAttrs[] = {"engine: int", "site: int", "kind: int", "dtype_code: int",
                            "count: int", "tensors: int", "layout: int", "root: int = 0",
                            "op: int = 0", "mpi_dtype: int = 0", "mpi_op: int = 0",
                            "contiguous: int = 0", "timed: int = 0", "timeout_bits: int = 0",

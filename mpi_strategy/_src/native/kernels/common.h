@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <vector>
 
 #include "tensorflow/c/kernels.h"
@@ -52,9 +53,18 @@ using Resolve = int (*)(int64_t engine, int64_t event, int64_t site, void* recei
                         int64_t value, char* message, int64_t capacity);
 extern Resolve resolve;
 
-// State: the per-communicator state, shared with Python (an int64 array
-// Python owns, protocol.State); the ordering token serializes every
-// collective of a communicator, so one kernel at a time touches it.
+// A communicator's shared state (shared_state.cc): protocol.State, then,
+// when the announcements are on (State.announce_comm), theirs
+// (timeouts.Announcements.shared). Python reads and writes it through a
+// numpy view; the ordering token serializes every collective of a
+// communicator, so one kernel at a time touches it.
+struct Block {
+  std::vector<int64_t> words;
+};
+constexpr int64_t kStateFields = sizeof(State) / sizeof(int64_t);
+// The block of communicator `engine` (nullptr once Python closed it, or for
+// an id of another process), held for as long as the caller keeps it.
+std::shared_ptr<Block> Held(int64_t engine);
 
 // Packed buffers handed to TensorFlow as the outputs themselves (no copy
 // out), reused once TensorFlow has released every output (as core/buffers.py
@@ -103,9 +113,11 @@ class Pool {
   std::vector<Slot*> slots_;
 };
 
-// What a kernel knows from tracing.
+// What a kernel knows from tracing, and (`held`, `state`) while it runs.
 struct Site {
-  State* state = nullptr;
+  int64_t engine = 0;  // its communicator (Python's NativeComm.id)
+  std::shared_ptr<Block> held;
+  State* state = nullptr;  // held's State
   int64_t site = 0, kind = 0, dtype_code = 0, count = 0, tensors = 0, layout = 0, root = 0;
   int64_t op = kSum;  // (protocol.Op)
   int64_t contiguous = 0;  // 1: tensors packed back to back (as concatenated)
@@ -150,16 +162,28 @@ double Now();
 int64_t InputBytes(TF_OpKernelContext* ctx);
 void Trace(TF_OpKernelContext* ctx, const Site& site, double started, int64_t nbytes);
 
-// `Compute`, timed for the timeline when one records (site.trace).
+// `Compute` on its communicator's state (else Python's error: the
+// communicator is gone), timed for the timeline when one records (site.trace).
 template <void (*Compute)(void*, TF_OpKernelContext*)>
-void Traced(void* kernel, TF_OpKernelContext* ctx) {
+void Run(void* kernel, TF_OpKernelContext* ctx) {
   Site& site = *static_cast<Site*>(kernel);
-  if (site.trace == 0) return Compute(kernel, ctx);
-  site.done = false;
-  const double started = Now();
-  const int64_t nbytes = InputBytes(ctx);
-  Compute(kernel, ctx);
-  if (site.done) Trace(ctx, site, started, nbytes);
+  site.held = Held(site.engine);
+  if (site.held == nullptr) {
+    AskPython(ctx, site, kBlocked, 0);
+    return;
+  }
+  site.state = reinterpret_cast<State*>(site.held->words.data());
+  if (site.trace == 0) {
+    Compute(kernel, ctx);
+  } else {
+    site.done = false;
+    const double started = Now();
+    const int64_t nbytes = InputBytes(ctx);
+    Compute(kernel, ctx);
+    if (site.done) Trace(ctx, site, started, nbytes);
+  }
+  site.state = nullptr;
+  site.held.reset();
 }
 
 // `input`, `types`: nullptr for none (an op of the token alone); `input` and

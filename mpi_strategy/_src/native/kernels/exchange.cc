@@ -94,11 +94,11 @@ void ReducescatterCompute(void* kernel, TF_OpKernelContext* ctx) {
 
 struct Registration {
   Registration() {
-    RegisterOp("MpiStrategyBarrier", nullptr, "output: int32", false, &Traced<&BarrierCompute>,
+    RegisterOp("MpiStrategyBarrier", nullptr, "output: int32", false, &Run<&BarrierCompute>,
                nullptr);
-    RegisterOp("MpiStrategyAlltoall", "input: T", "output: T", false, &Traced<&AlltoallCompute>);
+    RegisterOp("MpiStrategyAlltoall", "input: T", "output: T", false, &Run<&AlltoallCompute>);
     RegisterOp("MpiStrategyReducescatter", "input: T", "output: T", false,
-               &Traced<&ReducescatterCompute>);
+               &Run<&ReducescatterCompute>);
   }
 } registration;
 

@@ -2,10 +2,10 @@
 // exchange is polled until a deadline, and each rank tells the others the
 // number of every timed collective it enters (one int64, point to point, on
 // the announcements' own communicator, tag kAnnounceTag), so that a rank that
-// gives up can name the ranks that never arrived. The announcements' state is
-// Python's array (timeouts.Announcements.shared), shared with the Python
-// engine: the last collective each rank entered, then this side's outgoing
-// number and pending send requests. On expiry Python writes the message
+// gives up can name the ranks that never arrived. The announcements' state
+// follows State in the communicator's block (timeouts.Announcements.shared),
+// shared with the Python engine: the last collective each rank entered, then
+// this side's outgoing number and pending send requests. On expiry Python writes the message
 // (Agreement.timed_out), from that array.
 
 #include <algorithm>
@@ -25,9 +25,10 @@ struct Announcements {
   Handle* requests;    // [size], 0 for none
 };
 
-Announcements Shared(const State& state) {
-  auto* shared = reinterpret_cast<int64_t*>(state.announcements);
-  return {shared, shared + state.size, reinterpret_cast<Handle*>(shared + state.size + 1)};
+Announcements Shared(const Site& site) {
+  int64_t* shared = site.held->words.data() + kStateFields;
+  const int64_t size = site.state->size;
+  return {shared, shared + size, reinterpret_cast<Handle*>(shared + size + 1)};
 }
 
 // Reads the announcements that have arrived (Announcements.collect), source
@@ -35,8 +36,8 @@ Announcements Shared(const State& state) {
 // layout differs between MPI libraries).
 bool Collect(TF_OpKernelContext* ctx, const Site& site) {
   const State& state = *site.state;
-  if (!site.timed || state.announcements == 0) return true;
-  Announcements shared = Shared(state);
+  if (!site.timed || state.announce_comm == 0) return true;
+  Announcements shared = Shared(site);
   alignas(16) unsigned char status[64];  // (larger than any MPI's MPI_Status)
   const Handle comm = static_cast<Handle>(state.announce_comm);
   for (int source = 0; source < state.size; ++source) {
@@ -92,8 +93,8 @@ bool Poll(TF_OpKernelContext* ctx, const Site& site, Handle* request, bool* expi
 
 bool Announce(TF_OpKernelContext* ctx, const Site& site) {
   const State& state = *site.state;
-  if (!site.timed || state.announcements == 0) return true;
-  Announcements shared = Shared(state);
+  if (!site.timed || state.announce_comm == 0) return true;
+  Announcements shared = Shared(site);
   alignas(16) unsigned char status[64];
   for (int r = 0; r < state.size; ++r) {  // (small: long since delivered)
     if (shared.requests[r] != 0 && !MpiOk(ctx, site, mpi.Wait(&shared.requests[r], status))) {
