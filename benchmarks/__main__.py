@@ -69,7 +69,7 @@ def timeline_part(args, out_dir):
                         "--warmup",
                         str(warmup),
                     ),
-                    dict(mpiexec_env(), MPI_STRATEGY_TIMELINE=trace),
+                    dict(mpiexec_env(args.ranks), MPI_STRATEGY_TIMELINE=trace),
                 )
             ]
         )
@@ -187,7 +187,7 @@ def engine_in_use(ranks):
     as ``python -m mpi_strategy`` reports it on every rank."""
     out = subprocess.run(
         mpiexec_command(ranks) + python_module("mpi_strategy"),
-        env=dict(os.environ, **mpiexec_env()),
+        env=dict(os.environ, **mpiexec_env(ranks)),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -227,7 +227,7 @@ def main():
                 mpiexec_command(args.ranks)
                 + python_module("benchmarks.collectives")
                 + (["--quick"] if args.quick else []),
-                mpiexec_env(),
+                mpiexec_env(args.ranks),
             )
         ],
         timeout=900,

@@ -30,7 +30,7 @@ DEFAULT_MODELS = "mlp,higgs_small,widedeep"
 
 def _median_ms(tree: str, models: str, steps: int, ranks: int) -> dict[str, float]:
     """{model: ms per step} of one launch of ``tree``'s benchmarks and package."""
-    env = dict(os.environ, **mpiexec_env(), PYTHONPATH=tree, TF_CPP_MIN_LOG_LEVEL="3")
+    env = dict(os.environ, **mpiexec_env(ranks), PYTHONPATH=tree, TF_CPP_MIN_LOG_LEVEL="3")
     argv = [
         *mpiexec_command(ranks),
         sys.executable,

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--horovod-venv", help="a venv with horovod 0.28.1 built (and its MPI)")
     args = parser.parse_args(argv)
     load_before = load_average()
-    env = dict(os.environ, **mpiexec_env(), PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
+    env = dict(os.environ, **mpiexec_env(args.ranks), PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
     rounds: dict[str, list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for name, (prefix, extra) in variants(args.horovod_venv, args.ranks).items():

@@ -56,7 +56,7 @@ def run(quick=False, progress=print, rounds=3):
                             *mpiexec_command(RANKS),
                             *python_module("benchmarks.kernels", "--overhead"),
                         ],
-                        {**mpiexec_env(), "MPI_STRATEGY_KERNELS": engine},
+                        {**mpiexec_env(RANKS), "MPI_STRATEGY_KERNELS": engine},
                     )
                 ]
             )

@@ -84,7 +84,7 @@ def train_variant(model, variant, ranks, batch, steps, warmup, env=None):
     elif variant == "mpi_1_rank":
         commands = [([*script, "mpi", *step_args], {})]
     elif variant == "mpi":
-        commands = [([*mpiexec_command(ranks), *script, "mpi", *step_args], mpiexec_env())]
+        commands = [([*mpiexec_command(ranks), *script, "mpi", *step_args], mpiexec_env(ranks))]
     elif variant == "mwms":
         cluster = {"worker": [f"localhost:{p}" for p in _free_ports(ranks)]}
         commands = [

@@ -186,7 +186,8 @@ def run(
                     str(warmup),
                 ]
             )
-            result["settings"][label] = _launch(argv, {**cluster.mpi_env(), **mpiexec_env(), **env})
+            launch_env = {**cluster.mpi_env(), **mpiexec_env(2), **env}
+            result["settings"][label] = _launch(argv, launch_env)
             result["settings"][label]["env"] = env
     finally:
         cluster.close()

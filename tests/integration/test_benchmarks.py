@@ -244,7 +244,7 @@ def test_kernels_part_measures_both_engines_and_projects_the_papers_table():
             [
                 (
                     [*mpiexec_command(2), *python_module("benchmarks.kernels", "--overhead")],
-                    {**mpiexec_env(), "MPI_STRATEGY_KERNELS": engine},
+                    {**mpiexec_env(2), "MPI_STRATEGY_KERNELS": engine},
                 )
             ]
         )

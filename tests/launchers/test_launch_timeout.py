@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from testing import launch
 from testing.launch import run_launcher
 
 SILENCE = 3.0  # seconds: well above a Python start-up, even on a loaded machine
@@ -96,3 +97,14 @@ def test_an_overall_limit_stops_even_a_command_that_keeps_printing():
     took = time.monotonic() - started
     assert "overall limit of 6 s" in str(raised.value) and "still busy" in str(raised.value)
     assert 2 * SILENCE <= took < 2 * SILENCE + 30, took
+
+
+@pytest.mark.single_process
+def test_mpich_ranks_beyond_the_cores_wait_politely(monkeypatch):
+    # (docs/launching.md, "More ranks than cores"; Open MPI yields by itself)
+    monkeypatch.setattr(launch, "is_open_mpi", lambda: False)
+    cores = len(os.sched_getaffinity(0))
+    assert launch.mpiexec_env(cores) == {}
+    assert launch.mpiexec_env(cores + 1) == launch.MPICH_OVERSUBSCRIBED_ENV
+    monkeypatch.setenv("MPIR_CVAR_POLLS_BEFORE_YIELD", "1000")  # a user's own choice stays
+    assert launch.mpiexec_env(cores + 1)["MPIR_CVAR_POLLS_BEFORE_YIELD"] == "1000"
