@@ -53,7 +53,6 @@ The runner of Python blocks is tests/programs/doc_blocks.py.
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -61,7 +60,7 @@ import textwrap
 import pytest
 
 from mpi_testing import REPO, program
-from testing.launch import is_open_mpi, run_mpiexec
+from testing.launch import is_open_mpi, run_launcher, run_mpiexec
 
 pytestmark = pytest.mark.single_process  # launches processes; MPI-independent otherwise
 
@@ -77,7 +76,7 @@ PYTHON_LANGS = {"python", "py"}
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 # Scratch directories of shell blocks see these repository directories.
 LINKED_DIRS = ["examples", "benchmarks"]
-SHELL_TIMEOUT = 240
+SHELL_SILENCE = 240  # seconds without output: a block that hangs
 FAILED = "DOCBLOCK FAILED"  # printed by the runner, tests/programs/doc_blocks.py
 RUNNER = program("doc_blocks.py")
 # Blocks import mpi_strategy from this checkout, as after `pip install -e .`.
@@ -238,7 +237,7 @@ def test_every_block_has_a_check():
 def test_site_builds_strict(tmp_path):
     # --strict turns every warning (broken link or anchor, page missing from the
     # nav, a docstring mkdocstrings cannot render) into a failure.
-    out = subprocess.run(
+    code, out = run_launcher(
         [
             sys.executable,
             "-m",
@@ -251,12 +250,9 @@ def test_site_builds_strict(tmp_path):
             "-d",
             str(tmp_path / "site"),
         ],
-        capture_output=True,
-        text=True,
-        timeout=300,
         cwd=REPO,
     )
-    assert out.returncode == 0, f"mkdocs build --strict failed:\n{out.stdout}\n{out.stderr}"
+    assert code == 0, f"mkdocs build --strict failed:\n{out}"
     for page in PAGES:
         name = "readme" if page == "README.md" else os.path.splitext(os.path.basename(page))[0]
         site_page = tmp_path / "site" / ("" if name == "index" else name) / "index.html"
@@ -305,22 +301,11 @@ def test_python_blocks_run_in_one_process(tmp_path):
     payload, count = _payload(tmp_path, "python")
     if count == 0:
         pytest.skip("no single-process python blocks in the docs")
-    proc = subprocess.Popen(
-        [sys.executable, RUNNER, str(payload)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env=ENV,
-        start_new_session=True,
-    )
     try:
-        out, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired as timeout:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError("TIMEOUT running the python blocks: " + _explain(out)) from timeout
-    assert proc.returncode == 0, _explain(out)
+        code, out = run_launcher([sys.executable, RUNNER, str(payload)], cwd=REPO, env=ENV)
+    except AssertionError as timeout:  # (run_launcher's, with the output so far)
+        raise AssertionError("running the python blocks: " + _explain(str(timeout))) from None
+    assert code == 0, _explain(out)
 
 
 def test_python_blocks_run_on_two_ranks(tmp_path):
@@ -351,25 +336,16 @@ def _scratch(tmp_path, page):
     return where
 
 
-def _run_bash(code, cwd, timeout=SHELL_TIMEOUT, extra_env=None):
+def _run_bash(code, cwd, silence=SHELL_SILENCE, extra_env=None):
+    """(exit status, output) of bash running ``code``; (None, output so far)
+    once it printed nothing for ``silence`` seconds (then killed, with mpiexec
+    and its ranks)."""
     env = dict(ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.update(extra_env or {})
-    proc = subprocess.Popen(
-        ["bash", "-euo", "pipefail", "-c", code],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and its ranks too
-        out, _ = proc.communicate()
-        return None, out
-    return proc.returncode, out
+        return run_launcher(["bash", "-euo", "pipefail", "-c", code], silence, env, str(cwd))
+    except AssertionError as timeout:  # (run_launcher's, with the output so far)
+        return None, str(timeout)
 
 
 @pytest.mark.slow("every shell block of the docs runs as a user would type it")
@@ -454,7 +430,7 @@ def test_launcher_blocks_dry_run(tmp_path):
         where = _scratch(tmp_path, b.page)
         if is_open_mpi():
             # This dry run needs MPICH's hydra; with Open MPI check the syntax only.
-            code, out = _run_bash(f"bash -n <<'EOF'\n{b.code}EOF\n", where, timeout=30)
+            code, out = _run_bash(f"bash -n <<'EOF'\n{b.code}EOF\n", where, silence=30)
             if code != 0:
                 failures.append(f"{b.where}: {out}")
             continue
@@ -477,7 +453,7 @@ def test_launcher_blocks_dry_run(tmp_path):
                     local.write_text(_localhost_hostfile(src.read_text()))
                     argv[argv.index(flag) + 1] = str(local)
             else:
-                code, out = _run_bash(" ".join(argv), where, timeout=60)
+                code, out = _run_bash(" ".join(argv), where, silence=60)
                 if code != 0:
                     failures.append(
                         f"{FAILED} {b.where}: `{' '.join(argv)}` (dry run of `{cmd}`):\n{out}"

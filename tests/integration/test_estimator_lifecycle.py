@@ -11,14 +11,13 @@ nor mpi_strategy (tests/programs/serve_exports.py).
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from mpi_testing import REPO, program
-from testing.launch import run_mpiexec
+from testing.launch import run_launcher, run_mpiexec
 
 EXAMPLE = os.path.join(REPO, "examples", "estimator_style.py")
 
@@ -79,13 +78,9 @@ def test_train_checkpoint_resume_evaluate_export_serve(tmp_path):
     features, labels = make_data(300, seed=2)  # the example's evaluation data
     np.savez(held_out, features=features, labels=labels)
     exports = [str(tmp_path / name / "export") for name in plans]
-    served = subprocess.run(
-        [sys.executable, program("serve_exports.py"), held_out, *exports],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert served.returncode == 0, served.stderr[-5000:]
-    accuracies = json.loads(served.stdout.strip().splitlines()[-1])
+    code, out = run_launcher([sys.executable, program("serve_exports.py"), held_out, *exports])
+    assert code == 0, out[-5000:]
+    [line] = [line for line in out.splitlines() if line.startswith("{")]  # (its only print)
+    accuracies = json.loads(line)
     for path, accuracy in accuracies.items():
         assert accuracy == pytest.approx(reference["eval_accuracy"], abs=1e-6), path

@@ -18,7 +18,6 @@ a new launch, so that each tutorial is reported.
 import glob
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -26,7 +25,7 @@ import numpy as np
 import pytest
 
 from mpi_testing import REPO, program
-from testing.launch import run_mpiexec
+from testing.launch import run_launcher, run_mpiexec
 
 TUTORIALS_DIR = program("tutorials")
 RUN_ALL = os.path.join(TUTORIALS_DIR, "run_all.py")
@@ -39,7 +38,8 @@ ENV = {
     "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
     "TF_CPP_MIN_LOG_LEVEL": "2",
 }
-LAUNCH_TIMEOUT = float(os.environ.get("TUTORIAL_LAUNCH_TIMEOUT", "300"))
+# Seconds without output after which a launch counts as stuck.
+LAUNCH_SILENCE = float(os.environ.get("TUTORIAL_LAUNCH_TIMEOUT", "300"))
 # MPIStrategy with one device per rank splits every batch as MirroredStrategy
 # does and sums the two replicas' values in the same order: the same
 # arithmetic up to float rounding (reductions in another association, oneDNN
@@ -77,7 +77,7 @@ def _run_mpi(workdir, keras, names, launches):
         start = time.monotonic()
         try:
             code, out = run_mpiexec(
-                RANKS, argv, silence=LAUNCH_TIMEOUT, env=dict(ENV, TUTORIAL_STRATEGY="mpi")
+                RANKS, argv, silence=LAUNCH_SILENCE, env=dict(ENV, TUTORIAL_STRATEGY="mpi")
             )
         except AssertionError as timeout:  # run_mpiexec's TIMEOUT, with the output
             code, out = "timeout", str(timeout)
@@ -104,20 +104,13 @@ def _run_mpi(workdir, keras, names, launches):
 
 def _run_mirrored(workdir, keras, names, launches):
     argv = [sys.executable, RUN_ALL, "--keras", keras, workdir, *names]
-    env = dict(os.environ, **ENV, TUTORIAL_STRATEGY="mirrored")
     start = time.monotonic()
     try:
-        proc = subprocess.run(
-            argv,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=LAUNCH_TIMEOUT,
+        code, out = run_launcher(
+            argv, silence=LAUNCH_SILENCE, env=dict(ENV, TUTORIAL_STRATEGY="mirrored")
         )
-        code, out = proc.returncode, proc.stdout
-    except subprocess.TimeoutExpired as timeout:
-        code, out = "timeout", str(timeout.output)
+    except AssertionError as timeout:  # run_launcher's TIMEOUT, with the output
+        code, out = "timeout", str(timeout)
     launches.append((f"mirrored {keras}", time.monotonic() - start, code))
     _save_log(workdir, f"mirrored-{keras}.log", out)
     return {name: ranks.get(0) for name, ranks in _read_results(workdir).items()}

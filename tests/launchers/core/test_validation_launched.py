@@ -1,13 +1,12 @@
 """core/validation.py, in programs of their own: misuse that a running
 test process cannot show (devices per rank, MPI's thread support)."""
 
-import subprocess
 import sys
 
 import pytest
 
 from mpi_testing import program
-from testing.launch import run_mpiexec
+from testing.launch import run_launcher, run_mpiexec
 
 
 @pytest.mark.single_process
@@ -21,12 +20,7 @@ def test_unequal_devices_per_rank_is_an_error_on_every_rank():
 
 @pytest.mark.single_process
 def test_too_little_thread_support_is_explained():
-    proc = subprocess.run(
-        [sys.executable, program("funneled_thread_level.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode != 0
-    assert "MPI_THREAD_FUNNELED" in proc.stderr, proc.stderr
-    assert "MPI_THREAD_SERIALIZED" in proc.stderr, proc.stderr
+    code, out = run_launcher([sys.executable, program("funneled_thread_level.py")], silence=120)
+    assert code != 0
+    assert "MPI_THREAD_FUNNELED" in out, out
+    assert "MPI_THREAD_SERIALIZED" in out, out

@@ -3,13 +3,12 @@ horovod/aliases.py): Horovod programs run unchanged."""
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from mpi_testing import REPO
-from testing.launch import run_mpiexec
+from testing.launch import run_launcher, run_mpiexec
 
 EXAMPLE = os.path.join(REPO, "examples", "horovod_custom_loop.py")
 EPOCH = re.compile(r"^epoch (\d)/3: loss (\d+\.\d+)  test accuracy (\d\.\d+)  \(2 ranks\)$", re.M)
@@ -32,8 +31,8 @@ def test_a_horovod_program_trains_unchanged_on_two_ranks():
 
 
 def _run(args, tmp_path, fake_horovod):
-    """``python -m mpi_strategy.horovod ARGS`` in one process, with a fake
-    ``horovod`` package importable when ``fake_horovod``."""
+    """(exit status, output) of ``python -m mpi_strategy.horovod ARGS`` in one
+    process, with a fake ``horovod`` package importable when ``fake_horovod``."""
     (tmp_path / "show.py").write_text(
         "import horovod.tensorflow as hvd, horovod.tensorflow.keras as hk, sys\n"
         "hvd.init()\n"
@@ -42,35 +41,28 @@ def _run(args, tmp_path, fake_horovod):
     if fake_horovod:
         (tmp_path / "horovod").mkdir(exist_ok=True)
         (tmp_path / "horovod" / "__init__.py").write_text("raise SystemExit('the real one')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
-    return subprocess.run(
-        [sys.executable, "-m", "mpi_strategy.horovod", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), REPO])}
+    return run_launcher(
+        [sys.executable, "-m", "mpi_strategy.horovod", *args], env=env, cwd=tmp_path
     )
 
 
 @pytest.mark.single_process
 def test_scripts_and_modules_see_horovod_as_this_package(tmp_path):
     for args in (["show.py", "--flag"], ["-m", "show", "--flag"]):
-        done = _run(args, tmp_path, fake_horovod=False)
-        assert done.returncode == 0, done.stderr[-3000:]
+        code, out = _run(args, tmp_path, fake_horovod=False)
+        assert code == 0, out[-3000:]
         assert (
             "module mpi_strategy.horovod.tensorflow mpi_strategy.horovod.tensorflow.keras "
             "rank 0 argv ['--flag']"
-        ) in done.stdout, done.stdout + done.stderr[-3000:]
+        ) in out, out[-3000:]
 
 
 @pytest.mark.single_process
 def test_refuses_when_the_real_horovod_is_installed_unless_asked(tmp_path):
-    refused = _run(["show.py"], tmp_path, fake_horovod=True)
-    assert refused.returncode == 2, refused.stdout + refused.stderr[-3000:]
-    assert (
-        "the real horovod is installed" in refused.stderr and "--replace-horovod" in refused.stderr
-    )
-    replaced = _run(["--replace-horovod", "show.py"], tmp_path, fake_horovod=True)
-    assert replaced.returncode == 0, replaced.stderr[-3000:]
-    assert "module mpi_strategy.horovod.tensorflow" in replaced.stdout
+    code, out = _run(["show.py"], tmp_path, fake_horovod=True)
+    assert code == 2, out[-3000:]
+    assert "the real horovod is installed" in out and "--replace-horovod" in out, out[-3000:]
+    code, out = _run(["--replace-horovod", "show.py"], tmp_path, fake_horovod=True)
+    assert code == 0, out[-3000:]
+    assert "module mpi_strategy.horovod.tensorflow" in out, out[-3000:]
