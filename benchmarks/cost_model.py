@@ -47,6 +47,9 @@ import sys
 
 import numpy as np
 
+# The agreement modelled is the library's own (its protocol, not a copy of it).
+from mpi_strategy._src.core.protocol import HASHED_ABOVE, record_bytes
+
 ALGORITHM = (
     "Rabenseifner (recursive-halving reduce-scatter + recursive-doubling "
     "allgather): 2 log2(p) alpha + 2 (p-1)/p n beta"
@@ -198,11 +201,6 @@ def project(workloads, intra, networks=None, core_counts=None, cores_per_node=CO
     return rows
 
 
-def record_bytes(p):
-    """Bytes of each rank's agreement record (mpi_strategy's protocol.record_bytes)."""
-    return max(128, min(512, 16384 // max(p, 1) // 8 * 8))
-
-
 def allgather_time(nbytes, p, alpha, beta):
     """Seconds for an allgather of ``nbytes`` from each of ``p`` ranks
     (recursive doubling: log2(p) rounds, (p-1) x nbytes received)."""
@@ -212,7 +210,6 @@ def allgather_time(nbytes, p, alpha, beta):
 
 
 ENGINE_CORES = [1, 16, 20, 64, 80, 320, 1024, 4096]
-HASHED_ABOVE = 1024  # mpi_strategy's protocol.HASHED_ABOVE
 
 
 def agreement_time(p, alpha, beta, hashed=None):

@@ -15,6 +15,7 @@ joins) is aborted by run_all.py; the tutorials after the stuck one then run in
 a new launch, so that each tutorial is reported.
 """
 
+import concurrent.futures
 import glob
 import json
 import os
@@ -25,7 +26,7 @@ import numpy as np
 import pytest
 
 from mpi_testing import REPO, program
-from testing.launch import run_launcher, run_mpiexec
+from testing.launch import MPICH_OVERSUBSCRIBED_ENV, is_open_mpi, run_launcher, run_mpiexec
 
 TUTORIALS_DIR = program("tutorials")
 RUN_ALL = os.path.join(TUTORIALS_DIR, "run_all.py")
@@ -38,6 +39,9 @@ ENV = {
     "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
     "TF_CPP_MIN_LOG_LEVEL": "2",
 }
+# The MPI launches run beside the MirroredStrategy process: more processes
+# than cores.
+ENV_BESIDE = {} if is_open_mpi() else MPICH_OVERSUBSCRIBED_ENV
 # Seconds without output after which a launch counts as stuck.
 LAUNCH_SILENCE = float(os.environ.get("TUTORIAL_LAUNCH_TIMEOUT", "300"))
 # MPIStrategy with one device per rank splits every batch as MirroredStrategy
@@ -77,7 +81,10 @@ def _run_mpi(workdir, keras, names, launches):
         start = time.monotonic()
         try:
             code, out = run_mpiexec(
-                RANKS, argv, silence=LAUNCH_SILENCE, env=dict(ENV, TUTORIAL_STRATEGY="mpi")
+                RANKS,
+                argv,
+                silence=LAUNCH_SILENCE,
+                env=dict(ENV, **ENV_BESIDE, TUTORIAL_STRATEGY="mpi"),
             )
         except AssertionError as timeout:  # run_mpiexec's TIMEOUT, with the output
             code, out = "timeout", str(timeout)
@@ -167,17 +174,27 @@ def _last_line(error):
 def test_tutorials_run_under_mpi_as_under_mirrored_strategy(tmp_path):
     started = time.monotonic()
     launches, mpi, stuck, mirrored = [], {}, {}, {}
-    for keras, names in _groups().items():
-        workdir = str(tmp_path / f"mpi-{keras}")
-        os.makedirs(workdir)
-        results, why = _run_mpi(workdir, keras, names, launches)
-        mpi.update({n: results.get(n, {}) for n in names})
-        stuck.update(why)
-    for keras, names in _groups().items():
-        workdir = str(tmp_path / f"mirrored-{keras}")
-        os.makedirs(workdir)
-        results = _run_mirrored(workdir, keras, names, launches)
-        mirrored.update({n: results.get(n) for n in names})
+
+    def run_under_mpi():
+        for keras, names in _groups().items():
+            workdir = str(tmp_path / f"mpi-{keras}")
+            os.makedirs(workdir)
+            results, why = _run_mpi(workdir, keras, names, launches)
+            mpi.update({n: results.get(n, {}) for n in names})
+            stuck.update(why)
+
+    def run_under_mirrored():
+        for keras, names in _groups().items():
+            workdir = str(tmp_path / f"mirrored-{keras}")
+            os.makedirs(workdir)
+            results = _run_mirrored(workdir, keras, names, launches)
+            mirrored.update({n: results.get(n) for n in names})
+
+    # Side by side: the references' one process mostly leaves a core to the
+    # two ranks (which then outnumber the cores: ENV_BESIDE).
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for done in [pool.submit(run_under_mpi), pool.submit(run_under_mirrored)]:
+            done.result()
 
     problems, table = [], []
     for name in TUTORIALS:

@@ -77,11 +77,13 @@ def all_agree(comm: MPI.Intracomm, mine: bool) -> bool:
         return False
 
 
-def meet_the_living(comm: MPI.Intracomm) -> None:
-    """ULFM's agreement: returns on every living rank, failed or not."""
+def meet_the_living(comm: MPI.Intracomm) -> bool:
+    """ULFM's agreement: returns on every living rank; False where it saw a
+    rank of ``comm`` dead."""
     try:
         comm.Agree(1)
+        return True
     except MPI.Exception as error:
         if not is_process_failure(error):
             raise
-        # a rank died at the very end: nothing left to wait for
+        return False  # a rank died at the very end: nothing left to wait for

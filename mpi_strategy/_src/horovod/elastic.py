@@ -378,7 +378,8 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
             try:
                 if not skip_sync:
                     state.sync()
-                return func(state, *args, **kwargs)
+                with ulfm_exit.exits_seen():
+                    return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as interrupt:
                 skip_sync = interrupt.skip_sync
             except Exception as error:  # only lost ranks and Horovod's errors: others re-raised

@@ -18,7 +18,7 @@ from mpi_strategy._src.core.errors import RanksLostError, TooFewRanksError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.distribute.strategy import MPIStrategy
-from mpi_strategy._src.features.elastic import disk, state as state_lib
+from mpi_strategy._src.features.elastic import disk, state as state_lib, ulfm_exit
 from mpi_strategy._src.features.elastic.state import State
 
 
@@ -103,6 +103,7 @@ def shrink_and_continue(
     rebuilds what spans them with its own collectives; when another rank dies
     meanwhile, every survivor shrinks again and calls it again on fewer ranks
     (an agreement tells them all whether it went through on every one)."""
+    ulfm_exit.ranks_were_lost()
     while True:
         survivors = ulfm.shrink(comm)
         continued: list[Continued] = []

@@ -84,9 +84,10 @@ def run(
                 resumed = not state.commit_number and _start(strategy, state, where)
             regrowth = regrowth_lib.Regrowth(strategy, state) if replace_lost else None
             try:
-                result = _train_until_done(
-                    train, strategy, state, min_ranks, where, regrowth, args, kwargs
-                )
+                with ulfm_exit.exits_seen():
+                    result = _train_until_done(
+                        train, strategy, state, min_ranks, where, regrowth, args, kwargs
+                    )
             finally:
                 if regrowth:
                     regrowth.stop()

@@ -1,17 +1,21 @@
-"""The end of an elastic program under ULFM: no MPI_Finalize.
+"""The end of an elastic program under ULFM: no MPI_Finalize after a failure.
 
 After a process failure MPI_Finalize can hang (Open MPI 5.0: in 7 of 75 runs
 after a recovery, and whenever a rank died after the last collective, before
-the others learnt of it), so no rank calls it: the living ranks meet by ULFM's
-agreement, the other exit handlers run, and the process exits with status 0.
+the others learnt of it). So the living ranks first meet by ULFM's agreement;
+if no rank was ever lost, the program ends as any other (MPI_Finalize, its own
+exit status). Otherwise no rank calls MPI_Finalize: the other exit handlers
+run, and the process exits with the status of the ``SystemExit`` that ended
+the elastic run, if one did (``sys.exit(42)`` on a preemption notice), else 0.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +30,10 @@ class UlfmExitState:
     """How to reach the living ranks at exit, once an elastic run set it (``PROCESS.of``)."""
 
     living: Callable[[], MPI.Intracomm] | None = None
+    # A recovery happened (MPI_Finalize may hang).
+    ranks_lost: bool = False
+    # The exit status of the SystemExit that ended an elastic run (None: none did).
+    status: int | None = None
 
 
 def _state() -> UlfmExitState:
@@ -38,20 +46,44 @@ def end_without_finalize(living: Callable[[], MPI.Intracomm]) -> None:
     _state().living = living
 
 
+def ranks_were_lost() -> None:
+    """A recovery from lost ranks began: the end skips MPI_Finalize."""
+    _state().ranks_lost = True
+
+
+@contextlib.contextmanager
+def exits_seen() -> Iterator[None]:
+    """Around an elastic run: a ``SystemExit`` that ends it gives the exit
+    status of a process that skips MPI_Finalize."""
+    try:
+        yield
+    except SystemExit as exiting:
+        _state().status = _exit_status(exiting.code)
+        raise
+
+
+def _exit_status(code: object) -> int:
+    """The status Python exits with for ``SystemExit(code)``."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1  # (Python prints a message for others)
+
+
 def end_if_elastic(this_handler: Callable[..., Any]) -> None:
     """At exit, after the ranks' last meeting (``features/at_exit.py``): if an
-    elastic run asked for it, meets the living ranks and exits with status 0
-    once the exit handlers registered before ``this_handler`` (the caller,
-    unregistered first) have run. A replacement of a lost rank exits as usual:
-    Open MPI fails the job if a spawned process skips MPI_Finalize."""
-    living = _state().living
-    if living is None:
+    elastic run asked for it, meets the living ranks; then, if a rank was
+    lost, exits (the status of the module's docstring) once the exit handlers
+    registered before ``this_handler`` (the caller, unregistered first) have
+    run. A replacement of a lost rank exits as usual: Open MPI fails the job
+    if a spawned process skips MPI_Finalize."""
+    state = _state()
+    if state.living is None:
         return
-    ulfm.meet_the_living(living())
-    if ulfm.is_replacement():
+    all_living = ulfm.meet_the_living(state.living())
+    if ulfm.is_replacement() or (all_living and not state.ranks_lost):
         return
     atexit.unregister(this_handler)
     atexit._run_exitfuncs()  # (a private function of atexit: the handlers left to run)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(state.status or 0)

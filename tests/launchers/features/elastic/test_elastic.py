@@ -30,10 +30,11 @@ STEPS = ("--steps", "200")
 LONG = ("--steps", "600")
 
 
-def _launch(n, kills=(), example=EXAMPLE, args=STEPS, ok=True, kill_at_random=None):
+def _launch(n, kills=(), example=EXAMPLE, args=STEPS, ok=True, kill_at_random=None, status=None):
     """Runs ``example`` on ``n`` ranks under ULFM; returns (its last JSON line,
-    output). ``ok``: expects exit status 0 (else non-zero). ``kill_at_random``:
-    a ``RandomKills`` that SIGKILLs ranks from outside."""
+    output). ``ok``: expects exit status 0 (else non-zero); ``status``: expects
+    that exit status (and no JSON line). ``kill_at_random``: a ``RandomKills``
+    that SIGKILLs ranks from outside."""
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
     cmd = [
         *open_mpi_command(ULFM_MPIRUN, n, ulfm=True),
@@ -54,6 +55,9 @@ def _launch(n, kills=(), example=EXAMPLE, args=STEPS, ok=True, kill_at_random=No
     if kill_at_random:
         out += f"\n{kill_at_random}"
     lines = [line for line in out.splitlines() if line.startswith("{")]
+    if status is not None:
+        assert code == status, f"exit {code}, not {status}:\n{out[-5000:]}"
+        return None, out
     assert (code == 0) == ok and (lines or not ok), f"exit {code}:\n{out[-5000:]}"
     return (json.loads(lines[-1]) if lines else None), out
 
@@ -243,6 +247,23 @@ def test_keras_fit_with_a_rank_killed_from_outside_at_a_random_moment(keras_unin
     got, out = _launch(3, example=KERAS_EXAMPLE, args=(), kill_at_random=kills)
     assert got["ranks_at_end"] == 2, f"{kills}\n{out[-3000:]}"
     _assert_same_run(got, keras_uninterrupted, str(kills))
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize(
+    "n,kills,status,where",
+    [(2, [], 3, "after"), (3, ["1@30"], 42, "inside")],
+    ids=["nothing-lost-exit-after-the-run", "a-rank-lost-exit-inside-the-run"],
+)
+def test_the_programs_exit_status_is_the_jobs(n, kills, status, where):
+    # Job scripts read it: Slurm's requeue on a preemption (TensorFlow's
+    # handler exits with 42). With nothing lost the program ends as any
+    # other; after a loss, with the status of the exit that ended the run.
+    _needs_ulfm()
+    wrapper = program("exits_with_status.py")
+    args = (str(status), where, EXAMPLE, "--steps", "60")
+    _, out = _launch(n, kills, example=wrapper, args=args, status=status)
+    assert out.count("continuing on") == len(kills), out[-3000:]
 
 
 @pytest.mark.single_process
