@@ -243,7 +243,15 @@ BATCH_NORM_MOMENTS = OverriddenMethod(
     ("inputs", "mask"),
     (3, 15),
 )
-OVERRIDDEN_METHODS = (BATCH_NORM_MOMENTS,)
+# horovod/sync_batch_norm_tf_keras.py: the same for tf_keras, whose
+# BatchNormalization.call (training) takes them from this method through _moments.
+TF_KERAS_BATCH_NORM_MOMENTS = OverriddenMethod(
+    "tf_keras.src.layers.normalization.batch_normalization:BatchNormalizationBase",
+    "_calculate_mean_and_var",
+    ("inputs", "reduction_axes", "keep_dims", "mask"),
+    (2, 21),
+)
+OVERRIDDEN_METHODS = (BATCH_NORM_MOMENTS, TF_KERAS_BATCH_NORM_MOMENTS)
 
 
 @dataclass

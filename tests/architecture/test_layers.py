@@ -125,9 +125,8 @@ def test_the_docs_list_the_layers_in_the_order_of_importlinter():
 
 # Module-level names that hold something mutable but are not process state:
 # the registry of agreement kinds (filled at import, alike on every rank, then
-# only read), what each thread sees alone, Horovod's public global process set
-# (an object Horovod's API exports by identity), and the write points' names,
-# which the saving work in progress keeps for now.
+# only read), what each thread sees alone (the save under way), and Horovod's
+# public global process set (an object Horovod's API exports by identity).
 _NOT_PROCESS_STATE = {
     "core/kinds.py": {"_BY_CODE"},
     "features/saving/write_point.py": {"_local"},  # per thread: the save under way

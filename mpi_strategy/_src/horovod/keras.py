@@ -1,6 +1,6 @@
-"""Horovod's ``load_model`` and the Keras faces of the collectives (Keras 3
-and tf_keras); the optimizer is ``optimizer.py``'s, batch normalization
-``sync_batch_norm.py``'s."""
+"""Horovod's ``load_model``, the Keras faces of the collectives (Keras 3
+and tf_keras), and which ``SyncBatchNormalization`` they export; the optimizer
+is ``optimizer.py``'s, batch normalization ``sync_batch_norm.py``'s."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from mpi_strategy._src.horovod import api, functions, mpi_ops
+from mpi_strategy._src.horovod import api, functions, mpi_ops, sync_batch_norm
 from mpi_strategy._src.horovod.compression import Compression, Compressor
 from mpi_strategy._src.horovod.mpi_ops import Average
 from mpi_strategy._src.horovod.optimizer import (
@@ -23,6 +23,17 @@ from mpi_strategy._src.horovod.optimizer import (
 )
 
 keras: Any = importlib.import_module("keras")
+
+
+def sync_batch_normalization() -> type:
+    """The ``SyncBatchNormalization`` of ``tf.keras``'s package, as Horovod's:
+    tf_keras's under ``TF_USE_LEGACY_KERAS=1`` (imported only then), else Keras 3's."""
+    if default_keras_package() == "tf_keras":
+        from mpi_strategy._src.horovod import sync_batch_norm_tf_keras
+
+        return sync_batch_norm_tf_keras.SyncBatchNormalization
+    return sync_batch_norm.SyncBatchNormalization
+
 
 # -- load_model and the Keras faces of the collectives ----------------------------------
 

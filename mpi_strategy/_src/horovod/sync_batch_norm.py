@@ -1,4 +1,9 @@
-"""Horovod's ``SyncBatchNormalization``: batch statistics over the process set."""
+"""Horovod's ``SyncBatchNormalization``: batch statistics over the process set.
+
+One layer per Keras, as Horovod's is ``tf.keras``'s: Keras 3's here, tf_keras's
+in ``sync_batch_norm_tf_keras.py``; ``keras.sync_batch_normalization()`` is
+the public name's.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,34 @@ from mpi_strategy._src.horovod.mpi_ops import Sum
 
 keras: Any = importlib.import_module("keras")
 
-# -- SyncBatchNormalization ------------------------------------------------------
+
+def refuse_fused(fused: bool | None) -> None:
+    """Horovod's check: the statistics of a fused batch norm are not synchronized."""
+    if fused in (True, None):
+        raise ValueError("SyncBatchNormalization does not support fused=True.")
+
+
+def moments_over_ranks(
+    x: tf.Tensor, axes: list[int], mask: Any, keepdims: bool = False
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """The mean and variance of ``x`` over ``axes`` and over the batches of
+    every rank of the global process set together (of any sizes; ``mask``: a
+    weight per element of ``x`` but its last axis, or None). Every rank gets
+    the same two tensors; the gradient flows to every rank's ``x``."""
+    if mask is None:
+        total = tf.reduce_sum(x, axes, keepdims=keepdims)
+        squares = tf.reduce_sum(tf.square(x), axes, keepdims=keepdims)
+        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
+        count = tf.fill(tf.shape(total), count)
+    else:
+        weights = tf.cast(tf.broadcast_to(tf.expand_dims(mask, -1), tf.shape(x)), x.dtype)
+        total = tf.reduce_sum(x * weights, axes, keepdims=keepdims)
+        squares = tf.reduce_sum(tf.square(x) * weights, axes, keepdims=keepdims)
+        count = tf.reduce_sum(weights, axes, keepdims=keepdims)
+    total, squares, count = mpi_ops._grouped_allreduce([total, squares, count], op=Sum)
+    mean = tf.math.divide_no_nan(total, count)
+    variance = tf.maximum(tf.math.divide_no_nan(squares, count) - tf.square(mean), 0.0)
+    return mean, variance
 
 
 class SyncBatchNormalization(keras.layers.BatchNormalization):
@@ -25,8 +57,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def __init__(self, fused: bool | None = False, **kwargs: Any) -> None:
-        if fused in (True, None):
-            raise ValueError("SyncBatchNormalization does not support fused=True.")
+        refuse_fused(fused)
         _keras_internal.check_overridden(_keras_internal.BATCH_NORM_MOMENTS)
         super().__init__(**kwargs)
 
@@ -36,20 +67,5 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         if basics.size() == 1:
             return super()._moments(inputs, mask)
         x = tf.convert_to_tensor(inputs)
-        ndim = x.shape.rank
-        axis = self.axis % ndim
-        axes = [i for i in range(ndim) if i != axis]
-        if mask is None:
-            total = tf.reduce_sum(x, axes)
-            squares = tf.reduce_sum(tf.square(x), axes)
-            count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
-            count = tf.fill(tf.shape(total), count)
-        else:
-            weights = tf.cast(tf.broadcast_to(tf.expand_dims(mask, -1), tf.shape(x)), x.dtype)
-            total = tf.reduce_sum(x * weights, axes)
-            squares = tf.reduce_sum(tf.square(x) * weights, axes)
-            count = tf.reduce_sum(weights, axes)
-        total, squares, count = mpi_ops._grouped_allreduce([total, squares, count], op=Sum)
-        mean = tf.math.divide_no_nan(total, count)
-        variance = tf.maximum(tf.math.divide_no_nan(squares, count) - tf.square(mean), 0.0)
-        return mean, variance
+        axis = self.axis % x.shape.rank
+        return moments_over_ranks(x, [i for i in range(x.shape.rank) if i != axis], mask)

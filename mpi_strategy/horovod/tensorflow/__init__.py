@@ -57,6 +57,7 @@ from mpi_strategy._src.horovod.gradients import (
     DistributedGradientTape,
     PartialDistributedGradientTape,
 )
+from mpi_strategy._src.horovod.keras import sync_batch_normalization as _sync_batch_normalization
 from mpi_strategy._src.horovod.mpi_ops import (
     Adasum,
     Average,
@@ -81,10 +82,12 @@ from mpi_strategy._src.horovod.mpi_ops import (
 from mpi_strategy._src.horovod.optimizer import (
     tensorflow_distributed_optimizer as DistributedOptimizer,
 )
-from mpi_strategy._src.horovod.sync_batch_norm import SyncBatchNormalization
 from mpi_strategy.horovod.tensorflow import elastic, util
 from mpi_strategy.horovod.tensorflow.compression import Compression
 from mpi_strategy.horovod.tensorflow.util import _executing_eagerly
+
+# tf.keras's layer, as Horovod's: tf_keras's under TF_USE_LEGACY_KERAS=1.
+SyncBatchNormalization = _sync_batch_normalization()
 
 __all__ = [
     "init",

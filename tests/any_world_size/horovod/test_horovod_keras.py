@@ -19,6 +19,8 @@ import mpi_strategy.horovod.keras as hvd_standalone_keras
 import mpi_strategy.horovod.tensorflow as hvd_tf
 import mpi_strategy.horovod.tensorflow.keras as hvd
 from mpi_strategy._src import _keras_internal
+from mpi_strategy._src.horovod import keras as horovod_keras
+from mpi_strategy._src.horovod.optimizer import keras_package
 from mpi_testing import (
     RANK,
     SIZE,
@@ -303,7 +305,13 @@ def test_best_model_checkpoint_saves_the_best_epoch(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
-def test_sync_batch_normalization_is_batch_normalization_of_the_concatenated_batch():
+@pytest.mark.parametrize("K", [keras, tf_keras], ids=["keras3", "tf_keras"])
+def test_sync_batch_normalization_is_batch_normalization_of_the_concatenated_batch(K, monkeypatch):
+    # The layer of K's package: the public name's under a tf.keras of that package.
+    package = K.__name__
+    monkeypatch.setattr(horovod_keras, "default_keras_package", lambda: package)
+    sync_layer = horovod_keras.sync_batch_normalization()
+    assert keras_package(sync_layer) == package
     rows = [2 + r for r in range(SIZE)]  # batches of different sizes
     rng = np.random.default_rng(5)
     everyone = rng.normal(size=(sum(rows), 2, 3)).astype(np.float32) * 3 + 1
@@ -331,8 +339,8 @@ def test_sync_batch_normalization_is_batch_normalization_of_the_concatenated_bat
             layer.moving_variance.numpy(),
         )
 
-    want = run(keras.layers.BatchNormalization(momentum=0.5), x_all, upstream)
-    got = run(hvd.SyncBatchNormalization(momentum=0.5), x_mine, upstream[mine])
+    want = run(K.layers.BatchNormalization(momentum=0.5), x_all, upstream)
+    got = run(sync_layer(momentum=0.5), x_mine, upstream[mine])
     y, dx, dgamma, dbeta, moving_mean, moving_variance = got
     np.testing.assert_allclose(y, want[0][mine], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(dx, want[1][mine], rtol=1e-4, atol=1e-5)  # through every rank
@@ -342,16 +350,16 @@ def test_sync_batch_normalization_is_batch_normalization_of_the_concatenated_bat
     np.testing.assert_allclose(moving_mean, want[4], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(moving_variance, want[5], rtol=1e-5, atol=1e-6)
     # Its overridden private Keras method is listed (and checked) in the compat boundary.
-    base = keras.layers.BatchNormalization
+    base = K.layers.BatchNormalization
     overridden = {
         name
-        for name in vars(hvd.SyncBatchNormalization)
+        for name in vars(sync_layer)
         if name.startswith("_") and not name.startswith("__") and hasattr(base, name)
     }
     listed = {m.name for m in _keras_internal.OVERRIDDEN_METHODS}
     assert overridden and overridden <= listed
     with pytest.raises(ValueError, match="fused"):
-        hvd.SyncBatchNormalization(fused=True)
+        sync_layer(fused=True)
 
 
 def test_keras_faces_collectives_and_exports():

@@ -55,13 +55,16 @@ from mpi_strategy._src.horovod.keras import (
     broadcast_global_variables,
     load_model,
     reducescatter,
+    sync_batch_normalization as _sync_batch_normalization,
 )
 from mpi_strategy._src.horovod.mpi_ops import Average, Sum
 from mpi_strategy._src.horovod.optimizer import DistributedOptimizer, PartialDistributedOptimizer
-from mpi_strategy._src.horovod.sync_batch_norm import SyncBatchNormalization
 
 # (elastic last: it may build on what is above)
 from mpi_strategy.horovod.tensorflow.keras import callbacks, elastic
+
+# tf.keras's layer, as Horovod's: tf_keras's under TF_USE_LEGACY_KERAS=1.
+SyncBatchNormalization = _sync_batch_normalization()
 
 __all__ = [
     "init",
