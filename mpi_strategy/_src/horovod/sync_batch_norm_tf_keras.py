@@ -16,12 +16,8 @@ tf_keras: Any = importlib.import_module("tf_keras")
 
 
 class SyncBatchNormalization(tf_keras.layers.BatchNormalization):
-    """tf_keras's ``BatchNormalization`` whose batch statistics, in training,
-    are those of the batches of every rank of the global process set together
-    (ranks may have batches of different sizes): every rank normalizes with
-    the same mean and variance and keeps the same moving averages. Its
-    gradient flows to every rank's inputs. Needs ``hvd.init()``.
-    """
+    """tf_keras's ``BatchNormalization`` with the batch statistics of every
+    rank together, as ``sync_batch_norm.SyncBatchNormalization`` (which see)."""
 
     def __init__(self, fused: bool | None = False, **kwargs: Any) -> None:
         refuse_fused(fused)
