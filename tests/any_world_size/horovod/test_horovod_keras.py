@@ -1,5 +1,5 @@
 """Horovod's Keras API (mpi_strategy.horovod.tensorflow.keras), at any world size:
-horovod/optimizer.py, callbacks.py, sync_batch_norm.py, keras.py.
+horovod/optimizer.py, callbacks.py, sync_batch_norm.py, sync_batch_norm_tf_keras.py, keras.py.
 
 Each rank trains on its slice of every global batch; the oracle is one
 process (rank 0) applying the gradients of the concatenated batches. The
