@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import tensorflow as tf
@@ -43,15 +44,21 @@ if _version > SUPPORTED_TF[1]:
     )
 
 try:
+    from tensorflow.python import tf2 as _tf2
+    from tensorflow.python.data.ops import multi_device_iterator_ops as _multi_device_iterator_ops
     from tensorflow.python.distribute import (
         cross_device_ops as _cross_device_ops,
         distribute_utils as _distribute_utils,
+        input_lib as _input_lib,
         input_util as _input_util,
         mirrored_run as _mirrored_run,
         mirrored_strategy as _mirrored_strategy,
     )
     from tensorflow.python.framework import ops as _ops
-    from tensorflow.python.ops import control_flow_util as _control_flow_util
+    from tensorflow.python.ops import (
+        control_flow_util as _control_flow_util,
+        gen_dataset_ops as _gen_dataset_ops,
+    )
 except ImportError as exc:  # pragma: no cover - only on an untested TF
     raise MPIStrategyError(
         f"TensorFlow {tf.__version__} moved a private module mpi_strategy relies "
@@ -64,6 +71,47 @@ regroup = _distribute_utils.regroup
 simple_broadcast = _cross_device_ops.simple_broadcast
 get_distributed_dataset = _input_util.get_distributed_dataset
 get_distributed_datasets_from_function = _input_util.get_distributed_datasets_from_function
+# What those two build under TF2 (distribute/datasets.py subclasses them).
+DistributedDataset = _input_lib.DistributedDataset
+DistributedDatasetsFromFunction = _input_lib.DistributedDatasetsFromFunction
+
+
+def tf2_enabled() -> bool:
+    return _tf2.enabled()
+
+
+class MultiDeviceReader(NamedTuple):
+    """One worker's OwnedMultiDeviceIterator of a DistributedIterator."""
+
+    owner: Any  # the OwnedMultiDeviceIterator (Python object)
+    resource: Any  # its MultiDeviceIterator resource handle
+    dataset: tf.data.Dataset  # the worker's dataset it reads
+    device: str  # where the resource lives (the worker's host)
+
+
+def multi_device_readers(iterator: Any) -> Iterator[MultiDeviceReader]:
+    """Each worker's OwnedMultiDeviceIterator of a DistributedIterator (none for
+    other iterators). Reads DistributedIterator._iterators, then each
+    _SingleWorkerOwnedDatasetIterator's _iterator and _dataset, then
+    OwnedMultiDeviceIterator's _multi_device_iterator_resource and _source_device."""
+    for worker_iterator in getattr(iterator, "_iterators", ()):
+        owned = getattr(worker_iterator, "_iterator", None)
+        if isinstance(owned, _multi_device_iterator_ops.OwnedMultiDeviceIterator):
+            yield MultiDeviceReader(
+                owned,
+                owned._multi_device_iterator_resource,
+                worker_iterator._dataset,
+                owned._source_device,
+            )
+
+
+def reinitialize_multi_device_iterator(resource: Any, dataset: tf.data.Dataset) -> None:
+    """Points a multi-device iterator at ``dataset``: its current buffer is
+    reset first (the prefetch thread cancelled and joined), as
+    OwnedMultiDeviceIterator's constructor initialises it (MultiDeviceIteratorInit)."""
+    _gen_dataset_ops.multi_device_iterator_init(
+        dataset._variant_tensor, resource, max_buffer_size=1
+    )
 
 
 def in_xla_context() -> bool:

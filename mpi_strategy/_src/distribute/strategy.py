@@ -32,7 +32,7 @@ from mpi_strategy._src.core.validation import (
     resolve_comm,
     spans_the_world,
 )
-from mpi_strategy._src.distribute import compression as compression_lib
+from mpi_strategy._src.distribute import compression as compression_lib, datasets
 from mpi_strategy._src.distribute.cluster_resolver import MPIClusterResolver
 from mpi_strategy._src.distribute.cross_device_ops import MPICrossDeviceOps
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
@@ -423,8 +423,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         )
 
     def _experimental_distribute_dataset(self, dataset: Any, options: Any) -> Any:
-        _reject_per_replica_mode(options)
-        return _tf_internal.get_distributed_dataset(
+        return datasets.distribute_dataset(
             dataset,
             self._input_workers_with_options(options),
             self._container_strategy(),
@@ -436,12 +435,11 @@ class MPIExtended(_tf_internal.MirroredExtended):
     def _distribute_datasets_from_function(
         self, dataset_fn: Callable[..., Any], options: Any
     ) -> Any:
-        _reject_per_replica_mode(options)
-        return _tf_internal.get_distributed_datasets_from_function(
+        return datasets.distribute_datasets_from_function(
             dataset_fn,
             self._input_workers_with_options(options),
-            [self.input_context()],
             self._container_strategy(),
+            input_context=self.input_context(),
             options=options,
         )
 
@@ -505,14 +503,3 @@ def _warn_once_if_ignored(options: tf.distribute.experimental.CommunicationOptio
 
 def _device_type(device: str) -> str:
     return tf.DeviceSpec.from_string(device).device_type or "CPU"
-
-
-def _reject_per_replica_mode(options: tf.distribute.InputOptions | None) -> None:
-    if (
-        options is not None
-        and options.experimental_replication_mode == tf.distribute.InputReplicationMode.PER_REPLICA
-    ):
-        raise NotImplementedError(
-            "mpi_strategy: InputReplicationMode.PER_REPLICA is not supported; "
-            "use the default PER_WORKER mode (one input pipeline per rank)."
-        )
