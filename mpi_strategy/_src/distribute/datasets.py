@@ -18,7 +18,8 @@ MirroredStrategy too, and Keras 3 drops an iterator at every epoch.
 Re-initialising the multi-device iterator on an empty dataset while the
 per-device iterators still exist resets it (the thread cancelled and joined);
 ``take(0)`` makes no iterator of its input, so the pipeline's random state is
-untouched (tests/launchers/distribute/test_dropped_iterators.py).
+untouched (tests: distribute/test_datasets.py, and
+tests/launchers/distribute/test_dropped_iterators.py for the crash).
 """
 
 from __future__ import annotations
