@@ -1,28 +1,61 @@
-"""distribute/datasets.py: what stopping a dropped iterator's prefetch leaves
-unchanged, at any world size and local device count (that it prevents the crash:
+"""distribute/datasets.py: every dropped iterator of both kinds of distributed
+dataset stops its prefetch, and that leaves the elements read unchanged, at any
+world size and local device count (that it prevents the crash:
 tests/launchers/distribute/test_dropped_iterators.py)."""
 
 import gc
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from mpi_strategy._src import _tf_internal
-from mpi_testing import assert_same_on_all_ranks
+from mpi_strategy._src.distribute import datasets
+from mpi_testing import LOCAL_DEVICES, assert_same_on_all_ranks
+
+ITERATORS = 4
 
 
-def _reshuffled(strategy):
+def _reshuffled(batch):
     # The same seed each call: two such datasets shuffle alike, iteration by
     # iteration, as long as each makes the same iterators of its pipeline.
-    batch = 2 * strategy.num_replicas_in_sync
     return tf.data.Dataset.range(6 * batch).shuffle(6 * batch, seed=7).batch(batch)
 
 
-def _first_batches(distributed, strategy, iterations=4):
-    """The first two local batches of each of ``iterations`` fresh iterators,
-    each dropped (and collected) before the next is made."""
+def _from_dataset(strategy, tensorflows):
+    batch = 2 * strategy.num_replicas_in_sync
+    if not tensorflows:
+        return strategy.experimental_distribute_dataset(_reshuffled(batch))
+    extended = strategy.extended
+    return _tf_internal.get_distributed_dataset(
+        _reshuffled(batch),
+        extended._input_workers_with_options(None),
+        strategy,
+        num_replicas_in_sync=strategy.num_replicas_in_sync,
+        input_context=extended.input_context(),
+    )
+
+
+def _from_function(strategy, tensorflows):
+    def dataset_fn(context):
+        return _reshuffled(context.get_per_replica_batch_size(2 * strategy.num_replicas_in_sync))
+
+    if not tensorflows:
+        return strategy.distribute_datasets_from_function(dataset_fn)
+    extended = strategy.extended
+    return _tf_internal.get_distributed_datasets_from_function(
+        dataset_fn,
+        extended._input_workers_with_options(None),
+        [extended.input_context()],
+        strategy,
+    )
+
+
+def _first_batches(distributed, strategy):
+    """The first two local batches of each of ITERATORS fresh iterators, each
+    dropped (and collected) before the next is made."""
     seen = []
-    for _ in range(iterations):
+    for _ in range(ITERATORS):
         iterator = iter(distributed)
         for _ in range(2):
             local = strategy.experimental_local_results(next(iterator))
@@ -32,19 +65,18 @@ def _first_batches(distributed, strategy, iterations=4):
     return np.stack(seen)
 
 
-def test_dropped_iterators_leave_the_reshuffling_order_as_tensorflows_own(strategy):
-    extended = strategy.extended
-    tensorflows = _tf_internal.get_distributed_dataset(
-        _reshuffled(strategy),
-        extended._input_workers_with_options(None),
-        strategy,
-        num_replicas_in_sync=strategy.num_replicas_in_sync,
-        input_context=extended.input_context(),
-    )
-    ours = strategy.experimental_distribute_dataset(_reshuffled(strategy))
-    assert type(iter(tensorflows)) is type(iter(ours))  # the same iterators
-    expected = _first_batches(tensorflows, strategy)
-    got = _first_batches(ours, strategy)
+@pytest.mark.parametrize("distribute", [_from_dataset, _from_function], ids=lambda f: f.__name__)
+def test_dropped_iterators_stop_and_read_what_tensorflows_own_read(
+    strategy, distribute, monkeypatch
+):
+    stopped = []
+    stop = datasets._stop_prefetch
+    monkeypatch.setattr(datasets, "_stop_prefetch", lambda *args: stopped.append(stop(*args)))
+    expected = _first_batches(distribute(strategy, tensorflows=True), strategy)
+    assert not stopped  # TensorFlow's own datasets: nothing added
+    got = _first_batches(distribute(strategy, tensorflows=False), strategy)
+    assert len(stopped) == ITERATORS  # one multi-device iterator per rank and iterator
     np.testing.assert_array_equal(got, expected)
     assert len({tuple(batch) for batch in got[::2]}) > 1  # it does reshuffle
+    assert got.shape[1] == 2 * LOCAL_DEVICES
     assert_same_on_all_ranks(np.array(got.shape), "batches read")
