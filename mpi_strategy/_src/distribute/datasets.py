@@ -45,7 +45,7 @@ def distribute_dataset(
 ) -> Any:
     """``strategy.experimental_distribute_dataset``: this rank's shard of
     ``dataset`` (per ``input_context``), batches split over its devices."""
-    reject_per_replica_mode(options)
+    _reject_per_replica_mode(options)
     if not _tf_internal.tf2_enabled():  # TF1 graphs: no eager iterator is dropped
         return _tf_internal.get_distributed_dataset(
             dataset,
@@ -75,7 +75,7 @@ def distribute_datasets_from_function(
 ) -> Any:
     """``strategy.distribute_datasets_from_function``: ``dataset_fn`` called
     once on every rank with that rank's ``input_context``."""
-    reject_per_replica_mode(options)
+    _reject_per_replica_mode(options)
     if not _tf_internal.tf2_enabled():
         return _tf_internal.get_distributed_datasets_from_function(
             dataset_fn, input_workers, [input_context], strategy, options=options
@@ -89,7 +89,7 @@ def distribute_datasets_from_function(
     )
 
 
-def reject_per_replica_mode(options: tf.distribute.InputOptions | None) -> None:
+def _reject_per_replica_mode(options: tf.distribute.InputOptions | None) -> None:
     if (
         options is not None
         and options.experimental_replication_mode == tf.distribute.InputReplicationMode.PER_REPLICA
@@ -100,7 +100,7 @@ def reject_per_replica_mode(options: tf.distribute.InputOptions | None) -> None:
         )
 
 
-def stop_prefetch_when_dropped(iterator: Any) -> Any:
+def _stop_prefetch_when_dropped(iterator: Any) -> Any:
     """Arranges for each multi-device iterator of ``iterator`` (eager only) to
     stop its prefetch thread when dropped, before its per-device iterators are
     freed: a weakref callback runs before the dropped object's attributes are
@@ -126,9 +126,9 @@ def _stop_prefetch(resource: Any, dataset: tf.data.Dataset, device: str) -> None
 
 class _DistributedDataset(_tf_internal.DistributedDataset):
     def __iter__(self) -> Any:
-        return stop_prefetch_when_dropped(super().__iter__())
+        return _stop_prefetch_when_dropped(super().__iter__())
 
 
 class _DistributedDatasetsFromFunction(_tf_internal.DistributedDatasetsFromFunction):
     def __iter__(self) -> Any:
-        return stop_prefetch_when_dropped(super().__iter__())
+        return _stop_prefetch_when_dropped(super().__iter__())

@@ -1,7 +1,8 @@
 """distribute/datasets.py: every dropped iterator of both kinds of distributed
 dataset stops its prefetch, and that leaves the elements read unchanged, at any
 world size and local device count (that it prevents the crash:
-tests/launchers/distribute/test_dropped_iterators.py)."""
+tests/launchers/distribute/test_dropped_iterators.py); the input mode it does not
+support is refused on every rank."""
 
 import gc
 
@@ -80,3 +81,14 @@ def test_dropped_iterators_stop_and_read_what_tensorflows_own_read(
     assert len({tuple(batch) for batch in got[::2]}) > 1  # it does reshuffle
     assert got.shape[1] == 2 * LOCAL_DEVICES
     assert_same_on_all_ranks(np.array(got.shape), "batches read")
+
+
+def test_per_replica_input_mode_is_refused_on_every_rank(strategy):
+    options = tf.distribute.InputOptions(
+        experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
+        experimental_fetch_to_device=False,
+    )
+    with pytest.raises(NotImplementedError, match="PER_REPLICA is not supported"):
+        strategy.experimental_distribute_dataset(_reshuffled(2), options)
+    with pytest.raises(NotImplementedError, match="PER_REPLICA is not supported"):
+        strategy.distribute_datasets_from_function(lambda _: _reshuffled(2), options)
