@@ -7,9 +7,10 @@ The pipeline is the one Keras 3 builds from arrays (a parallel map and an
 autotuned prefetch, TensorFlow's default optimizations off). TensorFlow's own
 multi-device iterator can then crash (SIGSEGV) when dropped: its prefetch thread
 outlives the per-device iterator whose context it runs with
-(mpi_strategy/_src/distribute/datasets.py). Prints ``survived N`` at the end.
+(mpi_strategy/_src/distribute/datasets.py). Prints ``REPORT {"survived": N}`` at the end.
 """
 
+import json
 import sys
 
 import numpy as np
@@ -51,4 +52,4 @@ for done in range(1, iterations + 1):
     del iterator
     if done % 50 == 0:
         print("dropped", done, flush=True)  # (the launcher's sign of life)
-print("survived", iterations, flush=True)
+print("REPORT " + json.dumps({"survived": iterations}), flush=True)
