@@ -1,7 +1,7 @@
 """distribute/datasets.py: a dropped iterator of a distributed dataset stops its
 prefetch thread first, so that dropping iterators (as Keras 3 does at every
-epoch) never crashes the process, on a loaded node too; and the elements read
-stay those MirroredStrategy reads."""
+epoch) never crashes the process, on a loaded node too. (That the elements read
+stay TensorFlow's own: tests/any_world_size/distribute/test_datasets.py.)"""
 
 import concurrent.futures
 import sys
