@@ -228,6 +228,37 @@ def history(h):
     return {k: [float(x) for x in v] for k, v in sorted(h.history.items())}
 
 
+def events(logdir):
+    """What the event files under ``logdir`` hold, read back as TensorBoard
+    would: ``{"<subdirectory>/<tag>": [[step, value], ...]}`` (numeric values;
+    a tensor of more than 16 elements as the sum of its absolute values;
+    text and images left out). Keyed by directory, not file name: the files'
+    names carry a host, a process id and a time."""
+    found = {}
+    for directory, _, files in sorted(os.walk(logdir)):
+        for name in sorted(f for f in files if "tfevents" in f):
+            where = os.path.relpath(directory, logdir)
+            for event in tf.compat.v1.train.summary_iterator(os.path.join(directory, name)):
+                for value in event.summary.value:
+                    number = _event_number(value)
+                    if number is not None:
+                        found.setdefault(f"{where}/{value.tag}", []).append([event.step, number])
+    return {tag: sorted(points) for tag, points in sorted(found.items())}
+
+
+def _event_number(value):
+    if value.HasField("simple_value"):
+        return float(value.simple_value)
+    if not value.HasField("tensor"):
+        return None
+    array = tf.make_ndarray(value.tensor)
+    if array.dtype.kind not in "biuf":
+        return None
+    if array.size > 16:
+        return float(np.sum(np.abs(array.astype(np.float64))))
+    return array.astype(np.float64).tolist()
+
+
 def all_workers(value):
     """``value`` of every worker (every rank; this process alone under MirroredStrategy),
     for a report of what the tutorial's code sees only locally (per-replica results)."""
