@@ -8,6 +8,7 @@ bit, on random data whose sums depend on the order of operations.
 """
 
 import gc
+import os
 import re
 
 import numpy as np
@@ -323,8 +324,15 @@ def test_a_graph_from_another_process_finds_no_communicator_here(protocol):
 
 
 def test_the_engine_in_use_is_reported():
-    assert native_engine.active() in ("native", "python")
-    assert ("native" in OrderedComm(WORLD).engines) == (native_engine.active() == "native")
+    # What active() reports is what a collective is built of (its op type),
+    # and what MPI_STRATEGY_KERNELS asked for when it names an engine.
+    reported = native_engine.active()
+    ordered = OrderedComm(WORLD)
+    built = [op.type for _, op in mpi_calls(_traced_allreduce(ordered).graph)]
+    assert built == [{"native": "MpiStrategyAllreduce", "python": "PyFunc"}[reported]], built
+    assert ordered.engines[0] == reported
+    asked = os.environ.get(native_engine.KERNELS_ENV, "auto").lower()
+    assert asked not in ("native", "python") or reported == asked
 
 
 @pytest.mark.parametrize("engine", ["native", "python"])
