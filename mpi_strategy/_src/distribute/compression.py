@@ -159,25 +159,38 @@ class SixteenBit(Exact):
     def _allreduce_16(
         self, tensors: list[tf.Tensor], mpi: Collectives, timeout: float | None
     ) -> list[tf.Tensor]:
-        dtype = tensors[0].dtype
-        sizes = [t.shape.num_elements() for t in tensors]
-        p, n = mpi.size, sum(sizes)
-        chunk = -(-n // p)
-        flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], axis=0)
-        flat = tf.pad(flat, [[0, chunk * p - n]])
-        # Row r: this rank's values of the slice that rank r sums.
-        pieces = mpi.alltoall(self._to_wire(tf.reshape(flat, [p, chunk])), timeout)
-        my_slice = tf.reduce_sum(self._from_wire(pieces), axis=0)
-        summed = mpi.allgather(self._to_wire(my_slice[tf.newaxis]), timeout)
-        summed = tf.cast(tf.reshape(self._from_wire(summed), [-1])[:n], dtype)
-        return [tf.reshape(part, t.shape) for part, t in zip(tf.split(summed, sizes), tensors)]
+        return sum_in_16_bits(tensors, mpi, self.wire_dtype, timeout)
 
-    def _to_wire(self, values: tf.Tensor) -> tf.Tensor:
-        # Bit patterns as uint16: MPI only moves the bytes.
-        return tf.bitcast(tf.cast(values, self.wire_dtype), tf.uint16)
 
-    def _from_wire(self, bits: tf.Tensor) -> tf.Tensor:
-        return tf.cast(tf.bitcast(bits, self.wire_dtype), tf.float32)
+def sum_in_16_bits(
+    tensors: list[tf.Tensor], mpi: Collectives, wire_dtype: tf.DType, timeout: float | None = None
+) -> list[tf.Tensor]:
+    """The sum over the ranks of each of ``tensors`` (floating point, one
+    dtype, any shapes), moved as ``wire_dtype`` (float16 or bfloat16) values:
+    an Alltoall of each rank's slices, the slice's sum in float32 in rank
+    order, rounded to ``wire_dtype`` once, and an Allgather (see the module).
+    The same bits on every rank, in the tensors' dtype and shapes."""
+    dtype = tensors[0].dtype
+    sizes = [t.shape.num_elements() for t in tensors]
+    p, n = mpi.size, sum(sizes)
+    chunk = -(-n // p)
+    flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], axis=0)
+    flat = tf.pad(flat, [[0, chunk * p - n]])
+    # Row r: this rank's values of the slice that rank r sums.
+    pieces = mpi.alltoall(_to_wire(tf.reshape(flat, [p, chunk]), wire_dtype), timeout)
+    my_slice = tf.reduce_sum(_from_wire(pieces, wire_dtype), axis=0)
+    summed = mpi.allgather(_to_wire(my_slice[tf.newaxis], wire_dtype), timeout)
+    summed = tf.cast(tf.reshape(_from_wire(summed, wire_dtype), [-1])[:n], dtype)
+    return [tf.reshape(part, t.shape) for part, t in zip(tf.split(summed, sizes), tensors)]
+
+
+def _to_wire(values: tf.Tensor, wire_dtype: tf.DType) -> tf.Tensor:
+    # Bit patterns as uint16: MPI only moves the bytes.
+    return tf.bitcast(tf.cast(values, wire_dtype), tf.uint16)
+
+
+def _from_wire(bits: tf.Tensor, wire_dtype: tf.DType) -> tf.Tensor:
+    return tf.cast(tf.bitcast(bits, wire_dtype), tf.float32)
 
 
 _BY_NAME: dict[str | None, Any] = {

@@ -49,13 +49,14 @@ class _CastCompressor(Compressor):
 
 
 class FP16Compressor(_CastCompressor):
-    """Floating-point tensors travel as float16 (reduced in float32 here)."""
+    """Floating-point tensors travel as float16: half the bytes of float32
+    (summed in float32 and rounded once, ``horovod/mpi_ops.py``)."""
 
     wire = tf.float16
 
 
 class BF16Compressor(_CastCompressor):
-    """Floating-point tensors travel as bfloat16 (the library's extra; reduced in float32)."""
+    """Floating-point tensors travel as bfloat16 (the library's extra; as fp16)."""
 
     wire = tf.bfloat16
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from mpi_strategy._src.distribute import fusion
+from mpi_strategy._src.distribute import compression, fusion
 from mpi_strategy._src.horovod import basics
 from mpi_strategy._src.horovod.basics import ProcessSet, global_process_set
 
@@ -74,9 +74,35 @@ def _reduce_dense(
     ordered = _set(process_set)
     name = _OP_NAMES[Sum if op == Average else op]
     inputs = [_scale(tf.convert_to_tensor(t), prescale_factor) for t in tensors]
-    reduced = fusion.fused_allreduce(inputs, lambda xs: ordered.allreduce_packed(xs, name))
+    reduced: list[tf.Tensor] = [None] * len(inputs)
+    groups = _sixteen_bit_groups(inputs, ordered.size) if name == "sum" else {}
+    for dtype, members in groups.items():
+        summed = compression.sum_in_16_bits([inputs[i] for i in members], ordered, dtype)
+        for i, out in zip(members, summed):
+            reduced[i] = out
+    rest = [i for i, out in enumerate(reduced) if out is None]
+    if rest:
+        others = fusion.fused_allreduce(
+            [inputs[i] for i in rest], lambda xs: ordered.allreduce_packed(xs, name)
+        )
+        for i, out in zip(rest, others):
+            reduced[i] = out
     divisor = process_set.size() if op == Average else 1
     return [_scale(out, postscale_factor, divisor) for out in reduced]
+
+
+def _sixteen_bit_groups(tensors: Sequence[tf.Tensor], size: int) -> dict[tf.DType, list[int]]:
+    """The float16 and bfloat16 tensors of a sum, by dtype: they travel in 16
+    bits (``Compression.fp16`` halves the bytes, as in Horovod), summed in
+    float32 and rounded once (``compression.sum_in_16_bits``). Not those of
+    unknown or empty size, nor on one rank: they are widened to float32."""
+    groups: dict[tf.DType, list[int]] = {}
+    if size == 1:
+        return groups
+    for i, t in enumerate(tensors):
+        if t.dtype in (tf.float16, tf.bfloat16) and (t.shape.num_elements() or 0) > 0:
+            groups.setdefault(t.dtype, []).append(i)
+    return groups
 
 
 def _allreduce(
