@@ -34,6 +34,38 @@ TUTORIALS = {
     "multi_worker_with_ctl_tutorial": "tf_keras",
     "input_tutorial": "keras3",
     "distributed_training_guide": "keras3",
+    "keras_guide_custom_training_loop": "keras3",
+    "keras_guide_custom_train_step": "keras3",
+    "keras_guide_callbacks": "keras3",
+    "keras_guide_transfer_learning": "keras3",
+    "keras_guide_subclassing": "keras3",
+    "keras_guide_distributed_training": "keras3",
+}
+
+# Each program's deviations from its source beyond the strategy line (its
+# docstring says them in full): one line each, with the reason.
+DEVIATIONS = {
+    "keras_guide_custom_training_loop": "local MNIST (100 of 400 kept for validation, as "
+    "10,000 of 60,000); 1, 1, 2 of the loops' 3, 2, 2 epochs; GAN convolutions of 16 filters and "
+    "3 steps (CI time); the add_loss step the guide only defines run for an epoch with its own "
+    "optimizer (Keras 3 refuses another model's variables); moved onto tf.distribute as TF's "
+    "custom-training tutorial does (scope, distributed datasets, compute_average_loss, "
+    "strategy.run/reduce)",
+    "keras_guide_custom_train_step": "local MNIST for the GAN; 1 of each fit's 3-5 epochs; GAN "
+    "convolutions of 16 filters and 4 of 100 batches (CI time); gan.built = True before its fit "
+    "(under any strategy Keras 3 builds the model symbolically first and the guide's GAN has no "
+    "call(): it fails under MirroredStrategy too)",
+    "keras_guide_callbacks": "local MNIST (400/200 examples, the guide limits to 1,000); 5 of 30 "
+    "and 7 of 15 epochs; np.inf for the guide's np.Inf (gone in NumPy 2: the guide fails without "
+    "a strategy too)",
+    "keras_guide_transfer_learning": "Xception's ImageNet weights cannot be downloaded: a small "
+    "local conv base with BatchNormalization; 96 synthetic images of various sizes for "
+    "cats_vs_dogs; 2 of 20 and 10 epochs; no matplotlib figures",
+    "keras_guide_subclassing": "local MNIST (400 examples); 1 of the VAE's 2 epochs; keras for "
+    "keras_core (its name before Keras 3); Sampling draws from its own SeedGenerator (the guide's "
+    "unseeded draw fails in fit under MirroredStrategy too)",
+    "keras_guide_distributed_training": "local MNIST (400/200, 100 kept for validation); 1 of "
+    "the first fit's 2 epochs",
 }
 
 
