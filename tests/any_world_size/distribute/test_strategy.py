@@ -328,9 +328,13 @@ def test_variables_start_from_rank0_values(strategy):
         for local in strategy.experimental_local_results(var):
             assert_same_on_all_ranks(local.numpy(), var.name)
     assert_same_on_all_ranks(layer.kernel.numpy(), "kernel")
-    if SIZE > 1:
-        # rank 0's seed was used: reproduce rank 0's draw and compare on all ranks.
-        assert not np.allclose(layer.kernel.numpy(), 0)
+    assert not np.allclose(layer.kernel.numpy(), 0)  # (something was drawn)
+    # Rank 0's draw itself, on every rank (not merely the same draw everywhere):
+    # the first draw after rank 0's seed.
+    tf.random.set_seed(1234)
+    rank0_draw = tf.random.normal([4, 3]).numpy()
+    for local in strategy.experimental_local_results(v):
+        np.testing.assert_array_equal(local.numpy(), rank0_draw)
 
 
 @pytest.mark.parametrize(

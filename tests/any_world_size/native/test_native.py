@@ -57,12 +57,33 @@ def engines(protocol):
     return _ordered_comm(protocol), on_python_engine(_ordered_comm(protocol))
 
 
+class _NoFallback:
+    """In place of the native OrderedComm's Python engine: a collective that
+    the kernels do not run fails instead of comparing numpy with numpy."""
+
+    name = "no fallback"
+    device = "/device:CPU:0"
+
+    def runs(self, collective):
+        return True
+
+    def __call__(self, collective, token, inputs):
+        raise AssertionError(f"the kernels do not run {collective.name}: the Python engine would")
+
+
 def _both(engines, fn, in_function):
-    """``fn(ordered)`` on the native and on the numpy engine, as numpy arrays."""
-    results = []
-    for ordered in engines:
-        call = tf.function(lambda o=ordered: fn(o)) if in_function else (lambda o=ordered: fn(o))
-        results.append([np.asarray(t) for t in tf.nest.flatten(call())])
+    """``fn(ordered)`` on the native and on the numpy engine, as numpy arrays
+    (every collective of the first on the kernels)."""
+    native = engines[0]
+    results, saved = [], native._engines
+    native._engines = [*(e for e in saved if e.name == "native"), _NoFallback()]
+    try:
+        for ordered in engines:
+            call = lambda o=ordered: fn(o)  # noqa: E731
+            out = tf.function(call)() if in_function else call()
+            results.append([np.asarray(t) for t in tf.nest.flatten(out)])
+    finally:
+        native._engines = saved
     return results
 
 
