@@ -39,8 +39,13 @@ TUTORIALS = {
     "keras_guide_callbacks": "keras3",
     "keras_guide_transfer_learning": "keras3",
     "keras_guide_subclassing": "keras3",
-    "keras_guide_built_in_methods": "keras3",
     "keras_guide_distributed_training": "keras3",
+    "checkpoint_guide": "tf_keras",
+    "summary_custom_loop_guide": "tf_keras",
+    "data_guide": "keras3",
+    "keras_tuner_distributed": "keras3",
+    "keras_hub_data_parallel": "keras3",
+    "tfrs_diststrat_retrieval": "tf_keras",
 }
 
 # Each program's deviations from its source beyond the strategy line (its
@@ -65,13 +70,31 @@ DEVIATIONS = {
     "keras_guide_subclassing": "local MNIST (400 examples); 1 of the VAE's 2 epochs; keras for "
     "keras_core (its name before Keras 3); Sampling draws from its own SeedGenerator (the guide's "
     "unseeded draw fails in fit under MirroredStrategy too)",
-    "keras_guide_built_in_methods": "local MNIST (400/200, 100 kept for validation); 1 epoch per "
-    "fit (4 for EarlyStopping); steps_per_epoch, validation_steps, save_freq by steps(); "
-    "make_or_restore_model once more to read the checkpoints back; LogisticEndpoint fit on 4 "
-    "examples, not 3 (Keras' symbolic build under any strategy fails on replica parts of 2 and 1); "
-    "no PyTorch DataLoader (not installed) and no plot_model (needs pydot)",
     "keras_guide_distributed_training": "local MNIST (400/200, 100 kept for validation); 1 of "
     "the first fit's 2 epochs",
+    "checkpoint_guide": "model and optimizer in strategy.scope(), each step by strategy.run "
+    "(the guide has no strategy); the checkpointed iterator is the dataset's (a distributed "
+    "iterator is not trackable under MirroredStrategy either); the Estimator section left "
+    "out (tf.estimator is gone from TF 2.16)",
+    "summary_custom_loop_guide": "local MNIST; 2 of 5 epochs per section; models, optimizer, "
+    "metrics in strategy.scope(), distributed datasets, steps by strategy.run in tf.function, "
+    "loss with reduction NONE and compute_average_loss (a Keras 2 loss with the default "
+    "reduction raises inside strategy.run); a fixed <time> in the log directories' names",
+    "data_guide": "local Fashion-MNIST; the model in strategy.scope(); 2 of 20 and 10 steps; "
+    "./my_ckpt for /tmp/my_ckpt (shared by every run on the machine); only the sections "
+    "Iterator Checkpointing and tf.keras",
+    "keras_tuner_distributed": "local MNIST (400/200); 25 of 600 steps per epoch and 5 of 100 "
+    "validation steps (batches of 16 and 20: Keras 3.15's fit under any strategy fails on a "
+    "first batch that does not split evenly, as the guide's validation batch of 1 does under "
+    "MirroredStrategy too); AveragePooling2D(pool_size=2) (without it Keras 3.15 raises, under "
+    "MirroredStrategy too)",
+    "keras_hub_data_parallel": "a tiny BertBackbone config (vocabulary 200, 2 layers, hidden "
+    "16) for from_preset (no download here); synthetic preprocessed token sequences for "
+    "wikitext-2; the padding mask int32, not bool (Keras 3.15's fit under any strategy "
+    "first reduces the first batch, which fails for bool, under MirroredStrategy too); 2 of 3 "
+    "epochs",
+    "tfrs_diststrat_retrieval": "synthetic MovieLens ratings (400 ratings of 200 movies by 50 "
+    "users, split 320/80) for tfds.load (no download here)",
 }
 
 
