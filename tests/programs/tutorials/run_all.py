@@ -39,6 +39,7 @@ TUTORIALS = {
     "keras_guide_callbacks": "keras3",
     "keras_guide_transfer_learning": "keras3",
     "keras_guide_subclassing": "keras3",
+    "keras_guide_built_in_methods": "keras3",
     "keras_guide_distributed_training": "keras3",
     "checkpoint_guide": "tf_keras",
     "summary_custom_loop_guide": "tf_keras",
@@ -70,6 +71,11 @@ DEVIATIONS = {
     "keras_guide_subclassing": "local MNIST (400 examples); 1 of the VAE's 2 epochs; keras for "
     "keras_core (its name before Keras 3); Sampling draws from its own SeedGenerator (the guide's "
     "unseeded draw fails in fit under MirroredStrategy too)",
+    "keras_guide_built_in_methods": "local MNIST (400/200, 100 kept for validation); 1 epoch per "
+    "fit (4 for EarlyStopping); steps_per_epoch, validation_steps, save_freq by steps(); "
+    "make_or_restore_model once more to read the checkpoints back; LogisticEndpoint fit on 4 "
+    "examples, not 3 (Keras' symbolic build under any strategy fails on replica parts of 2 and 1); "
+    "no PyTorch DataLoader (not installed) and no plot_model (needs pydot)",
     "keras_guide_distributed_training": "local MNIST (400/200, 100 kept for validation); 1 of "
     "the first fit's 2 epochs",
     "checkpoint_guide": "model and optimizer in strategy.scope(), each step by strategy.run "
