@@ -38,6 +38,12 @@ class Site(NamedTuple):
     write_calls: tuple[WriteCall, ...]  # its functions that write files
 
 
+# What each Keras' ``reduce_per_replica`` makes of reduction="auto" off TPUs
+# (the reduction of fit's and evaluate's step outputs): keras/src/backend/
+# tensorflow/trainer.py ("mean"), tf_keras/src/engine/training.py ("sum").
+AUTO_REDUCTION = {"keras": "mean", "tf_keras": "sum"}
+
+
 _KERAS3_BACKUP = (
     "backup_dir",
     "_weights_path",

@@ -291,6 +291,16 @@ WRITE_CALLS = (
         None,
     ),
 )
+# MirroredStrategy's replica context: what its `_merge_call` returns is the
+# one object every replica gets (regrouped into one value, not per replica);
+# features/keras_wrappers.py remembers it for an MPIStrategy (effects.py).
+MERGE_CALL = (_mirrored_run._MirroredReplicaContext, "_merge_call")
+if not hasattr(*MERGE_CALL):  # pragma: no cover - only on an untested TF
+    raise MPIStrategyError(
+        f"TensorFlow {tf.__version__} has no _MirroredReplicaContext._merge_call, which "
+        "mpi_strategy wraps. Install a TensorFlow between 2.16 and 2.21."
+    )
+
 # Checkpoint methods that hand the write to a background thread when
 # CheckpointOptions(experimental_enable_async_checkpoint=True): features/saving/calls.py
 # makes them write in the calling thread, where the ranks can meet (_write: what

@@ -65,8 +65,15 @@ EFFECTS = (
     ),
     Effect(
         "Keras `reduce_per_replica`",
-        "`predict` returns every row, in input order, on every rank",
+        "every value a step returns is reduced over all ranks as MirroredStrategy reduces it "
+        "over its devices; `predict` returns every row, in input order, on every rank",
         "for a model of an MPIStrategy",
+    ),
+    Effect(
+        "MirroredStrategy's replica context `_merge_call` (`_tf_internal.MERGE_CALL`)",
+        "what merge_call returns (tf_keras' metric results) is known to be the same on every "
+        "replica, so Keras leaves it as under MirroredStrategy",
+        "for an MPIStrategy's replicas, once Keras is imported",
     ),
     Effect(
         "Keras `CallbackList.__init__`",
@@ -199,7 +206,15 @@ def _qualified(owner: Any) -> str:
 
 def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
     try:
-        _replace(site.trainer, "reduce_per_replica", keras_wrappers.reduce_per_replica_wrapper)
+        _once(_tf_internal.MERGE_CALL, keras_wrappers.merge_call_wrapper)
+        _replace(
+            site.trainer,
+            "reduce_per_replica",
+            functools.partial(
+                keras_wrappers.reduce_per_replica_wrapper,
+                auto=_keras_internal.AUTO_REDUCTION[package],
+            ),
+        )
         backup = importlib.import_module(site.callbacks).BackupAndRestore
         _replace(
             f"{site.callback_list}:CallbackList",

@@ -18,7 +18,9 @@ What the wrappers below do, for models whose strategy is an MPIStrategy
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import tensorflow as tf
@@ -27,19 +29,110 @@ from mpi_strategy._src._keras_internal import (
     BACKUP_SUPPORTED_STRATEGIES,
     TF_KERAS_SAVE_BEFORE_PREEMPTION,
 )
+from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.distribute.strategy import MPIStrategy
 
 
-def reduce_per_replica_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Keras' ``reduce_per_replica``, with predict's "concat" in input order."""
+@dataclass
+class _MergeResults:
+    """The tensors that merge_call returned to an MPIStrategy's replicas (by id):
+    the same on every replica, as MirroredStrategy's replicas share one object."""
+
+    tensors: weakref.WeakValueDictionary[int, Any] = field(
+        default_factory=weakref.WeakValueDictionary
+    )
+
+
+def merge_call_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """MirroredStrategy's replica context ``_merge_call``: what it returns to an
+    MPIStrategy's replica is remembered as the same on every replica (tf_keras'
+    metric results are), so that ``reduce_per_replica`` leaves it as
+    MirroredStrategy does (there, every replica gets the one object)."""
+
+    @functools.wraps(original)
+    def _merge_call(self: Any, fn: Any, args: Any, kwargs: Any) -> Any:
+        result = original(self, fn, args, kwargs)
+        if isinstance(self.strategy, MPIStrategy):
+            shared = PROCESS.of(_MergeResults).tensors
+            for leaf in tf.nest.flatten(result):
+                if tf.is_tensor(leaf):
+                    shared[id(leaf)] = leaf
+        return result
+
+    return _merge_call
+
+
+def _same_on_every_replica(value: Any) -> bool:
+    return PROCESS.of(_MergeResults).tensors.get(id(value)) is value
+
+
+def reduce_per_replica_wrapper(original: Callable[..., Any], auto: str) -> Callable[..., Any]:
+    """Keras' ``reduce_per_replica`` (whose reduction="auto" is ``auto``): for
+    an MPIStrategy, every rank gets what MirroredStrategy gives over as many
+    devices, reduced over all ranks' replicas: the outputs of fit's and
+    evaluate's steps (metric results or not), predict's rows in input order."""
 
     @functools.wraps(original)
     def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
-        if reduction == "concat" and isinstance(strategy, MPIStrategy):
-            return tf.nest.map_structure(lambda v: concat_in_input_order(v, strategy), values)
-        return original(values, strategy, reduction)
+        if not isinstance(strategy, MPIStrategy) or strategy.num_replicas_in_sync == 1:
+            return original(values, strategy, reduction)  # (one replica: nothing is reduced)
+        reduction = auto if reduction == "auto" else reduction
+        if reduction not in ("sum", "mean", "first", "concat"):
+            return original(values, strategy, reduction)  # Keras' own error
+        leaves = tf.nest.flatten(values)
+        at = [
+            i
+            for i, v in enumerate(leaves)
+            if (tf.is_tensor(v) or _per_replica(v)) and not _same_on_every_replica(v)
+        ]
+        if not at:
+            return values
+        if reduction in ("sum", "mean"):
+            # One batch reduction for all (Keras' logs: a few scalars per step).
+            sums = strategy.reduce("SUM", [leaves[i] for i in at], axis=None)
+            finish = _sum_of_elements if reduction == "sum" else _over_replicas(strategy)
+            reduced = [finish(s) for s in sums]
+        else:
+            gather = _first if reduction == "first" else _concat
+            reduced = [gather(leaves[i], strategy) for i in at]
+        for i, r in zip(at, reduced):
+            leaves[i] = r
+        return tf.nest.pack_sequence_as(values, leaves)
 
     return reduce_per_replica
+
+
+def _per_replica(value: Any) -> bool:
+    return isinstance(value, tf.distribute.DistributedValues)
+
+
+def _sum_of_elements(total: tf.Tensor) -> tf.Tensor:
+    # Keras' "sum" is tf.reduce_sum of the stacked replicas' values: every element.
+    return tf.reduce_sum(total)
+
+
+def _over_replicas(strategy: MPIStrategy) -> Callable[[tf.Tensor], tf.Tensor]:
+    # Keras' "mean" is tf.reduce_mean over the replicas (an integer mean truncates).
+    def mean(total: tf.Tensor) -> tf.Tensor:
+        count = tf.constant(strategy.num_replicas_in_sync, total.dtype)
+        return tf.truncatediv(total, count) if total.dtype.is_integer else total / count
+
+    return mean
+
+
+def _first(value: Any, strategy: MPIStrategy) -> tf.Tensor:
+    # Replica 0 of all: rank 0's first device.
+    return strategy.gather(_with_rows(value, strategy), axis=0)[0]
+
+
+def _concat(value: Any, strategy: MPIStrategy) -> tf.Tensor:
+    # Scalars are stacked, as Keras' concat does.
+    scalar = strategy.experimental_local_results(value)[0].shape.rank == 0
+    return concat_in_input_order(_with_rows(value, strategy) if scalar else value, strategy)
+
+
+def _with_rows(value: Any, strategy: MPIStrategy) -> Any:
+    return strategy.run(lambda v: v[tf.newaxis], args=(value,))
 
 
 def concat_in_input_order(value: Any, strategy: MPIStrategy) -> tf.Tensor:

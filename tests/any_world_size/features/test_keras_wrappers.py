@@ -111,6 +111,96 @@ def test_fit_evaluate_predict_match_mirrored(
     assert history["loss"][-1] < history["loss"][0]
 
 
+def raw_outputs_model(K, strategy, reduction):
+    """A model whose train_step and test_step return raw tensors beside a
+    metric's result (as many libraries' models do): scalars and a vector,
+    float32, float64 and int32, nested."""
+
+    class RawOutputs(K.Model):
+        def step(self, data, train):
+            x, y = data
+            with tf.GradientTape() as tape:
+                logits = self(x, training=train)
+                per_example = K.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+                loss = tf.reduce_sum(per_example) / BATCH  # over the global batch
+            if train:
+                grads = tape.gradient(loss, self.trainable_variables)
+                self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            self.accuracy.update_state(y, logits)
+            return {
+                "loss": loss,
+                "rows": tf.shape(x)[0],
+                "wide": tf.cast(tf.reduce_max(logits), tf.float64),
+                "nested": {"column_means": tf.reduce_mean(logits, axis=0)},
+                "accuracy": self.accuracy.result(),
+            }
+
+        def train_step(self, data):
+            return self.step(data, train=True)
+
+        def test_step(self, data):
+            return self.step(data, train=False)
+
+    with strategy.scope():
+        inputs = K.Input((FEATURES,))
+        model = RawOutputs(inputs, K.layers.Dense(CLASSES)(K.layers.Dense(8)(inputs)))
+        model.accuracy = K.metrics.SparseCategoricalAccuracy()
+        model.set_weights(
+            [np.cos(np.arange(w.size) + 1.0).reshape(w.shape) * 0.3 for w in model.get_weights()]
+        )
+        model.compile(optimizer=K.optimizers.SGD(learning_rate=0.1))
+    if reduction != "default":
+        model.distribute_reduction_method = reduction
+    return model
+
+
+def fit_and_evaluate_raw_outputs(K, strategy, reduction):
+    model = raw_outputs_model(K, strategy, reduction)
+    seen = []
+    record = K.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(_plain(logs))
+    )
+    history = model.fit(
+        X, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[record]
+    ).history
+    evaluation = model.evaluate(X_VAL, Y_VAL, batch_size=BATCH, verbose=0, return_dict=True)
+    return _plain(history), seen, _plain(evaluation)
+
+
+def _plain(logs):
+    return tf.nest.map_structure(lambda v: np.asarray(v, np.float64), dict(logs))
+
+
+# Keras 3 reduces a step's outputs with "auto" (its mean); tf_keras with its
+# model's distribute_reduction_method ("auto" being its sum).
+RAW_OUTPUT_REDUCTIONS = [
+    ("keras", "default"),
+    ("tf_keras", "default"),
+    ("tf_keras", "sum"),
+    ("tf_keras", "first"),
+    ("tf_keras", "concat"),
+]
+
+
+@pytest.mark.parametrize("package,reduction", RAW_OUTPUT_REDUCTIONS)
+def test_step_outputs_that_are_not_metrics_reduced_as_mirrored(strategy, package, reduction):
+    """fit's history, the logs callbacks see after each batch and evaluate's
+    result, for a step returning raw tensors: on every rank what
+    MirroredStrategy gives over as many devices (Keras reduces them over the
+    local replicas only, unless told the strategy is multi-worker)."""
+    K = importlib.import_module(package)
+    got = fit_and_evaluate_raw_outputs(K, strategy, reduction)
+    want = computed_on_rank0(
+        lambda: fit_and_evaluate_raw_outputs(K, reference_strategy(), reduction)
+    )
+    for what, ours, theirs in zip(("history", "batch logs", "evaluate"), got, want):
+        ours_flat, theirs_flat = tf.nest.flatten(ours), tf.nest.flatten(theirs)
+        assert len(ours_flat) == len(theirs_flat), (what, ours, theirs)
+        for i, (a, b) in enumerate(zip(ours_flat, theirs_flat)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{what} [{i}]")
+            assert_same_on_all_ranks(a, f"{what} [{i}]")
+
+
 def test_output_from_rank0_and_files_written_once(K, strategy, shared_dir, capsys):
     model = build(K, strategy)
     weights = "ckpt.weights.h5" if K.__name__ == "keras" else "ckpt.h5"
