@@ -12,7 +12,15 @@ import tensorflow as tf
 from mpi_strategy._src.core import agreement, kinds
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError
-from mpi_testing import RANK, SIZE, WORLD, assert_same_on_all_ranks, mpi_calls, on_python_engine
+from mpi_testing import (
+    NATIVE_OP_TYPES,
+    RANK,
+    SIZE,
+    WORLD,
+    assert_same_on_all_ranks,
+    mpi_calls,
+    on_python_engine,
+)
 
 pytestmark = pytest.mark.device_agnostic  # OrderedComm alone, no strategy
 
@@ -160,7 +168,9 @@ def test_allreduce_packed_many_shapes(mpi, in_function):
 
 
 def test_results_are_not_overwritten_by_the_next_call(mpi):
-    """Outputs are views of pooled buffers; a buffer is reused only when no tensor views it."""
+    """Outputs are never overwritten by a later call. On the Python engine they
+    are views of pooled buffers (reused only when no tensor views them:
+    core/test_buffers.py); the kernels' outputs are TensorFlow's own tensors."""
     n = 1 << 16  # large enough to be pooled, and the pair to reach the kernels unconcatenated
 
     @tf.function
@@ -352,7 +362,7 @@ def test_collectives_with_a_timeout_wait_for_late_ranks(in_function):
     mpi = _on_engine(OrderedComm(WORLD.Dup(), name_missing_ranks=True), "mixed")
 
     def step(x):
-        x = tf.ensure_shape(_rank_dependent_delay(x, 0.3 * RANK), [5])  # (known: kernels)
+        x = _rank_dependent_delay(x, 0.3 * RANK)
         summed = mpi.allreduce_sum(x, timeout=60)
         gathered = mpi.allgather(x[: RANK + 1], timeout=60)
         split, _ = mpi.alltoallv(tf.tile(x[:1], [SIZE]), [1] * SIZE, timeout=60)
@@ -452,48 +462,63 @@ def test_a_timeout_names_the_ranks_that_never_arrived_on_both_engines(engine):
 
 
 def _rank_dependent_delay(x, seconds):
-    """Identity that is slow on some ranks, to provoke reordering of unordered ops."""
+    """Identity that is slow on some ranks, to provoke reordering of unordered
+    ops; the shape stays known (else the kernels would not run what follows)."""
 
     def sleep(v):
         time.sleep(seconds)
         return v
 
-    return tf.numpy_function(sleep, [x], x.dtype, stateful=False)
+    return tf.ensure_shape(tf.numpy_function(sleep, [x], x.dtype, stateful=False), x.shape)
+
+
+def _kernels_everywhere(concrete):
+    """How many native kernels ``concrete`` holds, in its branches, loop
+    bodies and nested functions too."""
+    graph_def = concrete.graph.as_graph_def()
+    nodes = [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]
+    return sum(n.op in NATIVE_OP_TYPES for n in nodes)
 
 
 def test_order_is_kept_across_cond_while_and_nested_functions(mpi):
     """Collectives of different sizes in independent conds/loops/functions.
 
-    Nothing but the ordering token links these branches; each input is delayed
-    differently on each rank, so without ordering the ranks would issue the
-    collectives in different orders (deadlock, "Message truncated", or wrong
-    sums).
+    Nothing but the ordering token links these branches: each reads a
+    variable of its own (as a model's step reads its weights), so TensorFlow's
+    automatic control dependencies do not chain them (branches that capture no
+    resource would be chained as stateful ops, token or not). Each input is
+    delayed differently on each rank, so without ordering the ranks would
+    issue the collectives in different orders (deadlock, "Message truncated",
+    or wrong sums).
     """
     sizes = [1, 1000, 7, 50000, 3, 20000]
+    ones = [tf.Variable(1.0) for _ in sizes]
 
     @tf.function
-    def nested(x):
-        return mpi.allreduce_sum(x)
+    def nested(x, one):
+        return mpi.allreduce_sum(x * one)
 
     @tf.function
     def step(flag):
         outs = []
-        for i, n in enumerate(sizes):
+        for i, (n, one) in enumerate(zip(sizes, ones)):
             delay = 0.02 * ((i + RANK) % 3)
             x = _rank_dependent_delay(tf.fill([n], float(i + 1)), delay)
             if i % 3 == 0:
-                out = tf.cond(flag, lambda x=x: mpi.allreduce_sum(x), lambda x=x: x)
+                out = tf.cond(flag, lambda x=x, one=one: mpi.allreduce_sum(x * one), lambda x=x: x)
             elif i % 3 == 1:
                 out = tf.while_loop(
                     lambda k, v: k < 2,
-                    lambda k, v: (k + 1, mpi.allreduce_sum(v) / SIZE),
+                    lambda k, v, one=one: (k + 1, mpi.allreduce_sum(v * one) / SIZE),
                     (tf.constant(0), x),
                 )[1]
             else:
-                out = nested(x)
+                out = nested(x, one)
             outs.append(out)
         return outs
 
+    kernels = _kernels_everywhere(step.get_concrete_function(tf.constant(True)))
+    assert kernels == (len(sizes) if mpi.engines[0] == "native" else 0), kernels
     for _ in range(3):
         outs = step(tf.constant(True))
         for i, (n, out) in enumerate(zip(sizes, outs)):
