@@ -116,6 +116,14 @@ SITES = {
                 "self.model",
                 ("filename",),
             ),
+            # (its row is flushed there: complete on every rank when it returns)
+            WriteCall(
+                f"{_K3_CALLBACKS}.csv_logger:CSVLogger",
+                "on_epoch_end",
+                "self.filename",
+                Instead.SAME,
+                "self.model",
+            ),
             WriteCall(
                 f"{_K3_CALLBACKS}.csv_logger:CSVLogger",
                 "on_train_end",
@@ -180,6 +188,14 @@ SITES = {
                 Instead.DEVNULL,
                 "self.model",
                 ("filename",),
+            ),
+            # (its row is flushed there: complete on every rank when it returns)
+            WriteCall(
+                "tf_keras.src.callbacks:CSVLogger",
+                "on_epoch_end",
+                "self.filename",
+                Instead.SAME,
+                "self.model",
             ),
             WriteCall(
                 "tf_keras.src.callbacks:CSVLogger",

@@ -205,7 +205,7 @@ class Instead(enum.Enum):
     H5_MEMORY = "h5_memory"  # the call against an in-memory HDF5 file
     SKIP = "skip"  # nothing
     SCRATCH_IF_H5 = "scratch_if_h5"  # SCRATCH for an HDF5 file, else MEMORY
-    NOOP_WRITER = "noop_writer"  # returns tf.summary.create_noop_writer()
+    NOOP_WRITER = "noop_writer"  # a writer that writes nothing (and waits in flushes)
     DEVNULL = "devnull"  # the call writing to os.devnull
     SCRATCH = "scratch"  # the call against a fresh local directory, deleted after
     SAME = "same"  # the call unchanged (its own writes are write points)

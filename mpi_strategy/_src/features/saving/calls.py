@@ -17,7 +17,9 @@ names (one handler each, ``_HANDLERS``):
 * ``SKIP``: does nothing (index files, deletions of old checkpoints);
 * ``SCRATCH_IF_H5``: ``SCRATCH`` for an HDF5 file (h5py opens local files
   only), else ``MEMORY``;
-* ``NOOP_WRITER``: returns ``tf.summary.create_noop_writer()``;
+* ``NOOP_WRITER``: returns a summary writer that writes nothing, whose
+  flushes return once the writing rank's are done (``summaries.py``, which
+  also counts the writing rank's flushes);
 * ``DEVNULL``: writes to ``os.devnull`` (a log file kept open across calls);
 * ``SCRATCH``: runs against a path in a fresh local directory, in memory
   (``/dev/shm``) where it has room, else in the temporary directory, deleted
@@ -49,7 +51,7 @@ import tensorflow as tf
 from mpi_strategy._src._tf_internal import Instead, WriteCall
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.logs import logger
-from mpi_strategy._src.features.saving import write_point
+from mpi_strategy._src.features.saving import summaries, write_point
 
 
 def synchronous_checkpoint_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -100,7 +102,7 @@ def write_point_wrapper(function: Callable[..., Any], listed: WriteCall) -> Call
         with point, _scope_of_model(bound):
             if write_point.role() == write_point.IN_MEMORY:
                 return handler.instead(function, bound, listed, path)
-            return function(*args, **kwargs)
+            return handler.written(function(*args, **kwargs), path)
 
     return wrapper
 
@@ -148,6 +150,8 @@ class Handler(NamedTuple):
     # path already writes where the outer call sent it (memory, scratch) and
     # runs unchanged.
     kept_when_nested: Callable[[inspect.BoundArguments, str], bool]
+    # (result, path) -> what the rank that writes returns
+    written: Callable[[Any, Any], Any] = lambda result, path: result
 
 
 def handler_for(listed: WriteCall) -> Handler:
@@ -235,7 +239,9 @@ _HANDLERS = {
     Instead.H5_MEMORY: Handler(_h5_in_memory, _never),
     Instead.SKIP: Handler(lambda *_: None, _never),
     Instead.SCRATCH_IF_H5: Handler(_scratch_if_h5, _kept_if_h5),
-    Instead.NOOP_WRITER: Handler(lambda *_: tf.summary.create_noop_writer(), _never),
+    Instead.NOOP_WRITER: Handler(
+        lambda function, bound, call, path: summaries.stand_in(path), _never, summaries.track
+    ),
     Instead.DEVNULL: Handler(_to_devnull, _in_memory_or_scratch),
     Instead.SCRATCH: Handler(_in_scratch_dir, _in_scratch_path),
     Instead.SAME: Handler(

@@ -152,6 +152,29 @@ def alone() -> bool:
     return getattr(_local, "alone", False)
 
 
+@dataclass(frozen=True)
+class Locked:
+    """A write point under the lock of ``directory``: this job's n-th save of
+    one name there (``save``: the name's key and n), made on this rank."""
+
+    directory: str
+    save: str
+    job: str
+
+
+@dataclass(frozen=True)
+class Met:
+    """A write point where the ranks of ``ordered`` met (``alone``: only some did)."""
+
+    ordered: OrderedComm
+    alone: bool
+
+
+def where() -> Locked | Met | None:
+    """The write point this rank is in, as ``Locked`` or ``Met`` (None: in none)."""
+    return getattr(_local, "where", None)
+
+
 def strategy_for(written: Any = NO_OBJECT) -> tf.distribute.Strategy | None:
     """The strategy a write is this library's work for: its owner
     (``owner_of``), else (an object that no strategy built, or a call that
@@ -258,7 +281,7 @@ def write_point(ordered: OrderedComm, path: str | os.PathLike[str], what: str) -
         # Made on some ranks only: they write, as the program asked; if several
         # made this very call, the lowest of them writes (they would race).
         solo_role = WRITES_ALONE if agreement.solo_with[0] == ordered.rank else IN_MEMORY
-        with _in_role(solo_role, agreement, alone=True):
+        with _in_role(solo_role, agreement, alone=True, where=Met(ordered, alone=True)):
             yield
         return
     paths = everyone[:, Field.BYTES]
@@ -267,7 +290,7 @@ def write_point(ordered: OrderedComm, path: str | os.PathLike[str], what: str) -
     else:  # each rank named its own path (e.g. per-worker temporary directories)
         writes = int(np.flatnonzero(paths == paths[ordered.rank])[0]) == ordered.rank
     try:
-        with _in_role(WRITES if writes else IN_MEMORY, agreement):
+        with _in_role(WRITES if writes else IN_MEMORY, agreement, where=Met(ordered, alone=False)):
             yield
     except Exception as exc:
         # Every rank meets again, except one whose error came from meeting
@@ -287,15 +310,18 @@ def _topology(ordered: OrderedComm) -> filesystems.Topology:
 
 @contextlib.contextmanager
 def _in_role(
-    current: str, agreement: Agreement | None = None, alone: bool = False
+    current: str,
+    agreement: Agreement | None = None,
+    alone: bool = False,
+    where: Locked | Met | None = None,
 ) -> Iterator[None]:
-    _local.role, _local.alone = current, alone
+    _local.role, _local.alone, _local.where = current, alone, where
     if agreement is not None:
         agreement.solo = WRITE if alone else None
     try:
         yield
     finally:
-        _local.role, _local.alone = None, False
+        _local.role, _local.alone, _local.where = None, False, None
         if agreement is not None:
             agreement.solo = None
 
@@ -322,11 +348,12 @@ def locked_write_point(
     with _process_lock:
         saves_made = _state().saves_made
         saves = saves_made[full] = saves_made.get(full, 0) + 1
-    with _locked(directory) as lock:
+    here = Locked(directory, f"{key}.{saves}", job)
+    with locked(directory) as lock:
         if lock is not None:
             saved = _recorded(lock, job)
             if saved.get(key, 0) < saves:
-                with _in_role(WRITES):
+                with _in_role(WRITES, where=here):
                     yield
                 saved.pop(key, None)  # (re-inserted last: the newest are kept)
                 _record(lock, job, dict(saved, **{key: saves}), full)
@@ -335,7 +362,7 @@ def locked_write_point(
         with write_point(ordered, path, what):
             yield
         return
-    with _in_role(IN_MEMORY):
+    with _in_role(IN_MEMORY, where=here):
         yield
 
 
@@ -350,7 +377,7 @@ _process_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _locked(directory: str) -> Iterator[int | None]:
+def locked(directory: str) -> Iterator[int | None]:
     """Holds the lock of ``directory`` (created if missing, as a TensorFlow
     save would) and yields its descriptor, or None, unlocked, where the
     filesystem refuses ``flock`` on a directory or this record (NFS, a sticky
@@ -361,7 +388,7 @@ def _locked(directory: str) -> Iterator[int | None]:
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            os.setxattr(fd, _RECORD, _read(fd) or b"{}")  # (can it be written here?)
+            os.setxattr(fd, _RECORD, read_attribute(fd) or b"{}")  # (can it be written here?)
         except OSError as exc:
             if directory not in _state().refused:  # (once per directory)
                 _state().refused.add(directory)
@@ -379,9 +406,10 @@ def _locked(directory: str) -> Iterator[int | None]:
         os.close(fd)  # (lets go of the lock)
 
 
-def _read(fd: int) -> bytes:
+def read_attribute(fd: int | str, attribute: str = _RECORD) -> bytes:
+    """The extended attribute ``attribute`` of ``fd`` (a descriptor or a path), b"" if unset."""
     try:
-        return os.getxattr(fd, _RECORD)
+        return os.getxattr(fd, attribute)
     except OSError as exc:
         if exc.errno != errno.ENODATA:
             raise
@@ -391,7 +419,7 @@ def _read(fd: int) -> bytes:
 def _recorded(fd: int, job: str) -> dict[str, int]:
     """{key: how many saves of its name are written} in this job, as recorded."""
     try:
-        record = json.loads(_read(fd))
+        record = json.loads(read_attribute(fd))
         return dict(record["saved"]) if record["job"] == job else {}
     except (ValueError, KeyError, TypeError):
         return {}  # empty (new), or another job's: nothing recorded

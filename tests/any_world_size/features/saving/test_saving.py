@@ -286,6 +286,62 @@ def test_keras_callbacks_write_once_and_are_complete_when_fit_returns(strategy, 
         assert len(os.listdir(os.path.join(directory, "tb", "train"))) == 1
 
 
+def _epoch_losses(logdir):
+    """How many "epoch_loss" events the event files under ``logdir`` hold now."""
+    files = [os.path.join(d, f) for d, _, names in os.walk(logdir) for f in names]
+    return sum(
+        value.tag == "epoch_loss"
+        for path in files
+        for event in tf.compat.v1.train.summary_iterator(path)
+        for value in event.summary.value
+    )
+
+
+def _csv_rows(directory):
+    """How many rows (past the header) log.csv in ``directory`` holds now."""
+    path = os.path.join(directory, "log.csv")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return max(len(f.read().splitlines()) - 1, 0)
+
+
+@pytest.mark.parametrize("K", [keras, tf_keras], ids=["keras", "tf_keras"])
+def test_keras_callbacks_files_are_complete_at_each_epoch_end(K, strategy, shared_dir):
+    """CSVLogger's row and TensorBoard's epoch summaries, read by a callback
+    after them at the end of each epoch, on every rank: the rank that does not
+    write used to read them before the writing rank had flushed them (Keras 3's
+    CSV short in about half the epochs, tf_keras's not yet created)."""
+    with strategy.scope():
+        model = K.Sequential([K.Input((4,)), K.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((2 * BATCH, 4), np.float32), np.zeros((2 * BATCH, 2), np.float32)
+    short = []
+
+    class Reader(K.callbacks.Callback):
+        """Counts, at each epoch's end, the epochs that ``count`` finds short."""
+
+        def __init__(self, what, count):
+            super().__init__()
+            self.what, self.count = what, count
+
+        def on_epoch_end(self, epoch, logs=None):
+            if self.count(directory) != epoch + 1:
+                short.append((self.what, attempt, epoch))
+
+    for attempt in range(4):
+        directory = os.path.join(shared_dir, f"epochs{attempt}")
+        callbacks = [  # (each reader right after the callback whose file it reads)
+            K.callbacks.CSVLogger(os.path.join(directory, "log.csv")),
+            Reader("csv", _csv_rows),
+            K.callbacks.TensorBoard(os.path.join(directory, "tb")),
+            Reader("tb", lambda d: _epoch_losses(os.path.join(d, "tb"))),
+        ]
+        model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, callbacks=callbacks)
+    everyone = WORLD.allgather(short)
+    assert not any(everyone), f"epochs whose files were short, per rank: {everyone}"
+
+
 def test_checkpoint_saves_on_every_rank_never_race(strategy, shared_dir):
     """Without write points the ranks share TensorFlow's ``<prefix>_temp``
     staging directory and one rank's merge deletes it under the other (about
