@@ -6,14 +6,18 @@
 Horovod's tests are not copied into this repository: they are read from a
 checkout of Horovod (a work tree, or a bare git directory at ``--rev``) into a
 scratch directory, unchanged. The test setup (a conftest.py written there)
-only makes ``import horovod...`` resolve to ``mpi_strategy.horovod`` and
-stands in for the launcher helper its test utilities import
-(``horovod.runner.util.threads.in_thread``), then records every test's and
-subtest's outcome per rank. Runs ``test/parallel/test_tensorflow.py`` under
-``mpiexec -n N`` for each N and prints, per test, passed / failed / skipped
-with the reason, and a JSON summary. ``--legacy-keras``: TF_USE_LEGACY_KERAS=1
-(Horovod's tests are written for Keras 2: ``var.ref()``, ``fused=``).
-Needs pytest, cloudpickle and mock (Horovod's test utilities import them).
+only makes ``import horovod...`` resolve to ``mpi_strategy.horovod``, stands
+in for two helpers its tests import that are not its API (the launcher's
+``horovod.runner.util.threads.in_thread``, the version check
+``horovod.common.util.is_version_greater_equal_than``), then records every
+test's and subtest's outcome per rank (a module that fails to import, as a
+failure). Runs each test module of ``--tests`` (default: all of ``TESTS``)
+under ``mpiexec -n N`` for each N, one launch per module, and prints, per
+module, the counts and every test not passed with the reason, then a JSON
+summary. ``--legacy-keras``: TF_USE_LEGACY_KERAS=1 (Horovod's tests are
+written for Keras 2: ``var.ref()``, ``fused=``, ``opt.lr``,
+``experimental_run_tf_function``). Needs pytest, cloudpickle, mock and
+parameterized (Horovod's tests and test utilities import them).
 """
 
 from __future__ import annotations
@@ -31,8 +35,13 @@ from testing.launch import DEFAULT_SILENCE, run_mpiexec
 FILES = {
     "test/parallel/test_tensorflow.py": "parallel/test_tensorflow.py",
     "test/parallel/base_test_tensorflow.py": "parallel/base_test_tensorflow.py",
+    "test/parallel/test_tensorflow2_keras.py": "parallel/test_tensorflow2_keras.py",
+    "test/parallel/test_tensorflow_keras.py": "parallel/test_tensorflow_keras.py",
     "test/utils/common.py": "utils/common.py",
 }
+# The test modules run, each in its own launch (test_tensorflow_keras.py is
+# Horovod's TensorFlow 1 Keras suite: its class skips itself on TensorFlow 2).
+TESTS = ("test_tensorflow.py", "test_tensorflow2_keras.py", "test_tensorflow_keras.py")
 
 CONFTEST = """
 import json, os, sys, threading, types
@@ -50,6 +59,14 @@ threads.in_thread = in_thread
 for name in ("horovod.runner", "horovod.runner.util"):
     sys.modules[name] = types.ModuleType(name)
 sys.modules["horovod.runner.util.threads"] = threads
+# The version helper its Keras tests import (not part of its API either).
+from packaging.version import Version
+util = types.ModuleType("horovod.common.util")
+def is_version_greater_equal_than(ver, target):
+    return Version(ver) >= Version(target)
+util.is_version_greater_equal_than = is_version_greater_equal_than
+sys.modules["horovod.common"] = types.ModuleType("horovod.common")
+sys.modules["horovod.common.util"] = util
 
 OUTCOMES = {}
 
@@ -67,6 +84,10 @@ def pytest_runtest_logreport(report):
         reason = str(report.longrepr).strip().splitlines()[-1][:300]
     if OUTCOMES.get(name, ("",))[0] != "failed":
         OUTCOMES[name] = (report.outcome, reason)
+
+def pytest_collectreport(report):
+    if report.failed:  # (a module that does not import: its tests never report)
+        OUTCOMES[report.nodeid + " (collection)"] = ("failed", str(report.longrepr)[-300:])
 
 def pytest_sessionfinish(session):
     path = os.path.join(os.environ["HVD_ACCEPTANCE_OUT"], f"rank{MPI.COMM_WORLD.Get_rank()}.json")
@@ -97,14 +118,15 @@ def extract(scratch: str, git_dir: str | None, tree: str | None, rev: str) -> st
     return os.path.join(scratch, "parallel")
 
 
-def run(tests: str, ranks: int, legacy_keras: bool, out: str) -> dict[str, list[str]]:
-    """{test: [outcome, reason]} as rank 0 saw it (a test whose outcome differs
-    between ranks is reported as failed on the rank that failed)."""
+def run(tests: str, module: str, ranks: int, legacy_keras: bool, out: str) -> dict[str, list[str]]:
+    """{test: [outcome, reason]} of the test module ``module`` as rank 0 saw it
+    (a test whose outcome differs between ranks is reported as failed on the
+    rank that failed)."""
     os.makedirs(out, exist_ok=True)
     env = {"HVD_ACCEPTANCE_OUT": out, "PYTHONPATH": os.getcwd()}
     if legacy_keras:
         env["TF_USE_LEGACY_KERAS"] = "1"
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_tensorflow.py"]
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", module]
     code, text = run_mpiexec(ranks, argv, silence=DEFAULT_SILENCE, env=env, cwd=tests)
     merged: dict[str, list[str]] = {}
     for rank in range(ranks):
@@ -129,19 +151,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rev", default="HEAD")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--legacy-keras", action="store_true")
+    parser.add_argument("--tests", nargs="+", choices=TESTS, default=list(TESTS))
     args = parser.parse_args(argv)
-    summary = {}
+    summary: dict[int, dict[str, object]] = {}
     with tempfile.TemporaryDirectory(prefix="hvd-acceptance-") as scratch:
         tests = extract(scratch, args.horovod_git, args.horovod_tree, args.rev)
         for ranks in args.ranks:
-            results = run(tests, ranks, args.legacy_keras, os.path.join(scratch, f"n{ranks}"))
-            counts = Counter(outcome for outcome, _ in results.values())
-            print(f"\n== {ranks} ranks: {dict(counts)}")
-            for name in sorted(results):
-                outcome, reason = results[name]
-                if outcome != "passed":
-                    print(f"{outcome:8s} {name}: {reason}")
-            summary[ranks] = {"counts": dict(counts), "tests": results}
+            summary[ranks] = {}
+            for module in args.tests:
+                out = os.path.join(scratch, f"n{ranks}", module)
+                results = run(tests, module, ranks, args.legacy_keras, out)
+                counts = Counter(outcome for outcome, _ in results.values())
+                print(f"\n== {module}, {ranks} ranks: {dict(counts)}", flush=True)
+                for name in sorted(results):
+                    outcome, reason = results[name]
+                    if outcome != "passed":
+                        print(f"{outcome:8s} {name}: {reason}")
+                summary[ranks][module] = {"counts": dict(counts), "tests": results}
     print(json.dumps(summary))
     return 0
 

@@ -9,9 +9,9 @@ writers in ``SITES[...].write_calls`` write points. tf_keras's own redirection
 of non-chief writes to temporary directories (``TF_KERAS_FILE_UTILS``) is
 turned off for MPIStrategy: it would have every rank write.
 ``OVERRIDDEN_METHODS``: private methods of Keras classes that classes of
-``horovod/`` override (SyncBatchNormalization), each checked by
-``check_overridden`` before use: on a Keras that moved one, the class raises
-instead of silently not synchronizing.
+``horovod/`` override (SyncBatchNormalization, DistributedOptimizer), each
+checked by ``check_overridden`` before use: on a Keras that moved one, the
+class raises instead of silently not synchronizing.
 
 If a Keras release moves these symbols, the wrappers are skipped with a
 warning: training is unaffected; predict returns local rows and every rank
@@ -273,7 +273,29 @@ TF_KERAS_BATCH_NORM_MOMENTS = OverriddenMethod(
     ("inputs", "reduction_axes", "keep_dims", "mask"),
     (2, 21),
 )
-OVERRIDDEN_METHODS = (BATCH_NORM_MOMENTS, TF_KERAS_BATCH_NORM_MOMENTS)
+# horovod/optimizer.py: Horovod's DistributedOptimizer of a tf_keras legacy
+# optimizer (OptimizerV2). Its minimize (tf_keras's train step) takes the
+# gradients from this method, which the override reduces over the ranks.
+TF_KERAS_LEGACY_COMPUTE_GRADIENTS = OverriddenMethod(
+    "tf_keras.src.optimizers.legacy.optimizer_v2:OptimizerV2",
+    "_compute_gradients",
+    ("loss", "var_list", "grad_loss", "tape"),
+    (2, 21),
+)
+# The same class's aggregation over a strategy's replicas, which
+# apply_gradients calls: overridden as Horovod's is (the optimizer's own).
+TF_KERAS_LEGACY_AGGREGATE_GRADIENTS = OverriddenMethod(
+    "tf_keras.src.optimizers.legacy.optimizer_v2:OptimizerV2",
+    "_aggregate_gradients",
+    ("grads_and_vars",),
+    (2, 21),
+)
+OVERRIDDEN_METHODS = (
+    BATCH_NORM_MOMENTS,
+    TF_KERAS_BATCH_NORM_MOMENTS,
+    TF_KERAS_LEGACY_COMPUTE_GRADIENTS,
+    TF_KERAS_LEGACY_AGGREGATE_GRADIENTS,
+)
 
 
 @dataclass

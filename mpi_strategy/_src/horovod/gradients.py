@@ -81,6 +81,126 @@ def allreduce_gradients(
     return reduce
 
 
+class GradientAggregationHelper:
+    """Horovod's ``LocalGradientAggregationHelper``, a DistributedOptimizer's
+    ``_agg_helper`` with ``backward_passes_per_step`` N > 1: gradients are
+    summed locally over N backward passes and reduced once, every N-th pass.
+
+    ``compute_gradients`` adds a pass's gradients to the sums and counts it
+    (``counter``); at the N-th pass it returns the sums reduced (divided by N
+    with ``average_aggregated_gradients``), sets the sums to zero (assigned,
+    so an inf gradient of one cycle leaves nothing behind) and the counter to
+    0; at the other passes, the local sums. ``apply_gradients`` applies when
+    the counter is 0 (a reduction just happened), else only counts the step in
+    the optimizer's ``iterations``. Every rank counts the same passes, so all
+    take the same branch and meet in the same reductions, eager or traced.
+    """
+
+    def __init__(
+        self,
+        backward_passes_per_step: int,
+        reduce: ReduceGradients,
+        sparse_as_dense: bool,
+        average_aggregated_gradients: bool,
+    ) -> None:
+        if backward_passes_per_step <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        self.backward_passes_per_step = backward_passes_per_step
+        self.average_aggregated_gradients = average_aggregated_gradients
+        self.sparse_as_dense = sparse_as_dense
+        self._reduce = reduce
+        with tf.init_scope():  # (made eagerly even if the optimizer is made in a graph)
+            self.counter = tf.Variable(0, trainable=False, name="horovod_backward_passes")
+        self.locally_aggregated_grads: dict[int, tf.Variable] = {}
+
+    def compute_gradients(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
+        """This pass's gradients added to the local sums; the reduced sums at
+        every N-th pass, else the local sums (None stays None)."""
+        grads = [self._dense(g) for g in grads]
+        sums = self._accumulate(grads, variables)
+        self.counter.assign_add(1)
+
+        present = [i for i, g in enumerate(sums) if g is not None]
+
+        def reduce_and_clear() -> list[Any]:
+            reduced = self._reduce(sums, list(variables))
+            if self.average_aggregated_gradients:
+                reduced = [
+                    None if g is None else g / self.backward_passes_per_step for g in reduced
+                ]
+            self._clear()
+            # (a flag last: a traced cond needs an output even with no gradients)
+            return [reduced[i] for i in present] + [tf.constant(True)]
+
+        def local_sums() -> list[Any]:
+            return [sums[i] for i in present] + [tf.constant(False)]
+
+        outs = tf.cond(
+            tf.equal(self.counter, self.backward_passes_per_step), reduce_and_clear, local_sums
+        )
+        result: list[Any] = [None] * len(sums)
+        for i, g in zip(present, outs):
+            result[i] = g
+        return result
+
+    def apply_gradients(self, apply: Callable[[], Any], optimizer: Any) -> Any:
+        """``apply()`` when the counter is 0 (a reduction just happened); else
+        the optimizer's ``iterations`` + 1. Returns ``iterations``."""
+
+        def applied() -> tf.Tensor:
+            apply()
+            return tf.constant(True)
+
+        def counted() -> tf.Tensor:
+            optimizer.iterations.assign_add(1)
+            return tf.constant(False)
+
+        tf.cond(tf.equal(self.counter, 0), applied, counted)
+        return optimizer.iterations
+
+    def _dense(self, grad: Any) -> Any:
+        if isinstance(grad, tf.IndexedSlices):
+            if not self.sparse_as_dense:
+                raise ValueError(
+                    "IndexedSlices are not supported when `backward_passes_per_step` > 1 and "
+                    "`sparse_as_dense` is False."
+                )
+            return tf.convert_to_tensor(grad)
+        return grad
+
+    def _accumulate(self, grads: list[Any], variables: Sequence[Any]) -> list[Any]:
+        """The local sums after adding ``grads`` (made at the first pass)."""
+        sums = self.locally_aggregated_grads
+        if not sums:
+            with tf.init_scope():  # (lifted out of tf.function and tf.cond)
+                for i, (g, v) in enumerate(zip(grads, variables)):
+                    if g is not None:
+                        zeros = tf.zeros(tuple(v.shape), g.dtype)
+                        sums[i] = tf.Variable(zeros, trainable=False, name="horovod_sum")
+        if len(grads) != len(variables) or sorted(sums) != [
+            i for i, g in enumerate(grads) if g is not None
+        ]:
+            raise ValueError(
+                "DistributedOptimizer(backward_passes_per_step > 1): every backward pass "
+                f"must give gradients for the same variables (None for the same ones); the "
+                f"first gave {len(sums)} gradients, this one "
+                f"{sum(g is not None for g in grads)} of {len(grads)}"
+            )
+        outs: list[Any] = []
+        for i, g in enumerate(grads):
+            if g is None:
+                outs.append(None)
+            else:
+                sums[i].assign_add(g)
+                outs.append(sums[i].read_value())
+        return outs
+
+    def _clear(self) -> None:
+        self.counter.assign(0)
+        for total in self.locally_aggregated_grads.values():
+            total.assign(tf.zeros_like(total))
+
+
 def _split(
     present: list[int], grads: list[Any], variables: list[Any], groups: Groups
 ) -> list[list[int]]:

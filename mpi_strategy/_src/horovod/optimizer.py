@@ -13,14 +13,18 @@ passes:
   trainable_variables)``, which ``apply_gradients`` and ``model.fit``'s train
   step both call;
 * tf_keras (``TF_USE_LEGACY_KERAS=1``, or a ``tf_keras`` optimizer, legacy
-  ones included): in ``apply_gradients``, which ``minimize`` and tf_keras's
-  train step call.
+  ones included): Horovod's Keras 2 hooks. ``_compute_gradients`` /
+  ``compute_gradients`` / ``get_gradients`` (which ``minimize``, and so
+  tf_keras's train step, call) reduce, through Horovod's ``_allreduce``, and
+  ``apply_gradients`` applies what they returned; given gradients of its own
+  (a ``tf.GradientTape``'s), ``apply_gradients`` reduces them first.
 
-With ``backward_passes_per_step=N`` each call adds its gradients to local
-accumulators; every N-th call reduces the accumulated sums (divided by N with
+With ``backward_passes_per_step=N`` the optimizer's ``_agg_helper``
+(``gradients.GradientAggregationHelper``, Horovod's) adds each pass's
+gradients to local sums; every N-th pass reduces the sums (divided by N with
 ``average_aggregated_gradients``) and applies them, eager or inside
-``tf.function`` (every rank counts the same calls, so all take the same
-branch). The other calls only advance ``iterations``, as in Horovod.
+``tf.function`` (every rank counts the same passes, so all take the same
+branch). The other passes only advance ``iterations``, as in Horovod.
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
+from mpi_strategy._src import _keras_internal
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.horovod.basics import ProcessSet, global_process_set
 from mpi_strategy._src.horovod.compression import Compression, Compressor
 from mpi_strategy._src.horovod.gradients import (
+    GradientAggregationHelper,
     Groups,
     ReduceGradients,
     _divided,
@@ -103,8 +108,8 @@ class _State:
         self.local: dict[int, Any] = {}  # id -> variable whose gradient stays local
         self.source: Any = None  # the wrapped optimizer, whose state is taken at build
         self.variables: list[Any] | None = None  # what the optimizer was built on
-        self.accumulators: list[tf.Variable | None] | None = None
-        self.counter: tf.Variable | None = None
+        # Set while gradients that _allreduce returned wait for apply_gradients.
+        self.reduced_pending = False
 
 
 class _DistributedMethods:
@@ -117,6 +122,23 @@ class _DistributedMethods:
         if state is None:
             state = self.__dict__["_hvd_state"] = _State()
         return state
+
+    @property
+    def _agg_helper(self) -> GradientAggregationHelper | None:
+        """Horovod's gradient aggregation state with backward_passes_per_step
+        > 1 (its ``counter`` of the passes since the last reduction), else None."""
+        options = self._hvd_options
+        if options.passes == 1:
+            return None
+        helper = self.__dict__.get("_hvd_agg_helper")
+        if helper is None:
+            helper = self.__dict__["_hvd_agg_helper"] = GradientAggregationHelper(
+                options.passes,
+                self._hvd_reduce,
+                options.sparse_as_dense,
+                options.average_aggregated,
+            )
+        return helper
 
     def register_local_var(self, var: Any) -> None:
         """Keeps ``var``'s gradient local (not reduced; divided by the set's
@@ -155,74 +177,39 @@ class _DistributedMethods:
                     outs[i] = _divided(outs[i], size)
         return outs
 
-    def _hvd_every_nth(
-        self,
-        grads: list[Any],
-        variables: list[Any],
-        apply: Callable[[list[Any]], Any],
-        skip: Callable[[], Any],
-    ) -> None:
-        """Adds ``grads`` to the accumulators; on every N-th call, ``apply``
-        (the reduced sums) and resets them; on the others, ``skip()``."""
-        options, state = self._hvd_options, self._hvd()
-        grads = [_dense(g, options.sparse_as_dense) for g in grads]
-        if state.accumulators is None or state.counter is None:
-            with tf.init_scope():
-                state.counter = tf.Variable(
-                    np.int64(0), trainable=False, name="horovod_backward_passes"
-                )
-                state.accumulators = [
-                    None
-                    if g is None
-                    else tf.Variable(
-                        tf.zeros(tuple(v.shape), g.dtype), trainable=False, name="horovod_sum"
-                    )
-                    for g, v in zip(grads, variables)
-                ]
-        accumulators, counter = state.accumulators, state.counter
-        if len(accumulators) != len(grads) or any(
-            (g is None) != (a is None) for g, a in zip(grads, accumulators)
-        ):
-            raise ValueError(
-                "DistributedOptimizer(backward_passes_per_step>1): every call must pass "
-                "gradients for the same variables (None for the same ones)"
-            )
-        sums: list[Any] = []
-        for g, a in zip(grads, accumulators):
-            if a is None:
-                sums.append(None)
-            else:
-                a.assign_add(g)
-                sums.append(a.read_value())
-        counter.assign_add(1)
+    def _allreduce(self, grads: Any, variables: Any) -> list[Any]:
+        """Horovod's: the gradients reduced over the process set (local ones
+        kept); with backward_passes_per_step > 1, ``_agg_helper``'s
+        (accumulated, reduced at every N-th pass). ``apply_gradients`` applies
+        what this returns without reducing it again."""
+        grads, variables = list(grads), list(variables)
+        self._hvd().reduced_pending = True
+        helper = self._agg_helper
+        if helper is not None:
+            return helper.compute_gradients(grads, variables)
+        return self._hvd_reduce(grads, variables)
 
-        def reduce_and_apply() -> tf.Tensor:
-            reduced = self._hvd_reduce(sums, variables)
-            if options.average_aggregated:
-                reduced = [None if g is None else g / options.passes for g in reduced]
-            apply(reduced)
-            for a in accumulators:
-                if a is not None:
-                    a.assign(tf.zeros_like(a))
-            counter.assign(0)
-            return tf.constant(True)
+    def _hvd_apply(
+        self, grads: list[Any], variables: list[Any], apply: Callable[[list[Any]], Any]
+    ) -> Any:
+        """``apply(grads)``: the gradients reduced here unless ``_allreduce``
+        made them (then as they are, as in Horovod), every N-th pass only."""
+        state = self._hvd()
+        if state.reduced_pending:
+            state.reduced_pending = False
+        else:
+            grads = self._allreduce(grads, variables)
+            state.reduced_pending = False
+        helper = self._agg_helper
+        if helper is None:
+            return apply(grads)
+        self._hvd_build(variables)
+        return helper.apply_gradients(lambda: apply(grads), self)
 
-        def only_count() -> tf.Tensor:
-            skip()
-            return tf.constant(False)
-
-        tf.cond(tf.equal(counter, options.passes), reduce_and_apply, only_count)
-
-
-def _dense(grad: Any, sparse_as_dense: bool) -> Any:
-    if isinstance(grad, tf.IndexedSlices):
-        if not sparse_as_dense:
-            raise ValueError(
-                "IndexedSlices are not supported when `backward_passes_per_step` > 1 and "
-                "`sparse_as_dense` is False."
-            )
-        return tf.convert_to_tensor(grad)
-    return grad
+    def _hvd_build(self, variables: list[Any]) -> None:
+        """Builds the optimizer outside the apply/skip cond (variables cannot
+        be made in a branch); nothing where ``apply_gradients`` lifts its own
+        variable creation out (tf_keras's legacy optimizers)."""
 
 
 class CallableList(list[Any]):
@@ -243,7 +230,8 @@ class _VariablesMethods(_DistributedMethods):
 
 
 class _Keras3Methods(_VariablesMethods):
-    """Keras 3: gradients are reduced in ``apply`` (``apply_gradients`` calls it)."""
+    """Keras 3: gradients are reduced in ``apply`` (``apply_gradients`` and
+    ``fit``'s train step call it)."""
 
     def build(self, variables: Any) -> None:
         """Keras' build, then the wrapped optimizer's state (if it was built alike)."""
@@ -262,24 +250,21 @@ class _Keras3Methods(_VariablesMethods):
             variables = self._hvd().variables or []
         if not grads or len(variables) != len(grads):
             return parent_apply(grads, trainable_variables)  # (Keras says what is wrong)
-        if self._hvd_options.passes == 1:
-            return parent_apply(self._hvd_reduce(grads, variables), trainable_variables)
+        applied = self._hvd_apply(grads, variables, lambda g: parent_apply(g, variables))
+        return None if self._agg_helper is not None else applied
+
+    def _hvd_build(self, variables: list[Any]) -> None:
         if not self.built:  # type: ignore[attr-defined]
             with keras.name_scope(self.name, caller=self):  # type: ignore[attr-defined]
                 self.build(variables)
-        self._hvd_every_nth(
-            grads,
-            variables,
-            lambda reduced: parent_apply(reduced, variables),
-            lambda: self.iterations.assign_add(1),  # type: ignore[attr-defined]
-        )
-        return None
 
 
 class _ApplyGradientsMethods(_DistributedMethods):
     """tf_keras's optimizers, legacy ones (``OptimizerV2``) as they are:
-    gradients are reduced in ``apply_gradients`` (``minimize`` and tf_keras's
-    train step call it)."""
+    Horovod's Keras 2 hooks. ``minimize`` (and so tf_keras's train step)
+    reduces in ``_compute_gradients`` / ``compute_gradients`` and applies
+    those gradients; ``apply_gradients`` given other gradients (a
+    ``tf.GradientTape``'s) reduces them itself."""
 
     def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
         """Applies the gradients averaged over the process set (every rank
@@ -289,23 +274,44 @@ class _ApplyGradientsMethods(_DistributedMethods):
         pairs = list(grads_and_vars)
         if not pairs:
             return parent_apply_gradients(pairs, *args, **kwargs)
-        grads = [g for g, _ in pairs]
         variables = [v for _, v in pairs]
-        if self._hvd_options.passes == 1:
-            reduced = self._hvd_reduce(grads, variables)
-            return parent_apply_gradients(list(zip(reduced, variables)), *args, **kwargs)
-        self._hvd_build(variables)
-        self._hvd_every_nth(
-            grads,
+        return self._hvd_apply(
+            [g for g, _ in pairs],
             variables,
-            lambda reduced: parent_apply_gradients(list(zip(reduced, variables)), *args, **kwargs),
-            lambda: self.iterations.assign_add(1),  # type: ignore[attr-defined]
+            lambda grads: parent_apply_gradients(list(zip(grads, variables)), *args, **kwargs),
         )
-        return self.iterations  # type: ignore[attr-defined]
 
-    def _hvd_build(self, variables: list[Any]) -> None:
-        """Nothing: legacy optimizers make their variables in ``apply_gradients``
-        (lifted out of any tf.function or tf.cond)."""
+    def compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> list[Any]:
+        """(gradient, variable) pairs of ``loss``, reduced (``_compute_gradients``)."""
+        return self._compute_gradients(loss, var_list, None, tape)
+
+    def _compute_gradients(
+        self, loss: Any, var_list: Any, grad_loss: Any = None, tape: Any = None
+    ) -> list[Any]:
+        """The optimizer's own (gradient, variable) pairs, the gradients
+        passed through ``_allreduce``; ``apply_gradients`` applies them as they
+        are. Legacy optimizers' ``minimize`` calls this (listed in
+        ``_keras_internal.TF_KERAS_LEGACY_COMPUTE_GRADIENTS``)."""
+        base: Any = super()
+        tape = tf.GradientTape() if tape is None else tape
+        if hasattr(base, "_compute_gradients"):
+            pairs = base._compute_gradients(loss, var_list, grad_loss, tape=tape)
+        else:
+            pairs = base.compute_gradients(loss, var_list, tape=tape)
+        grads, variables = zip(*pairs)
+        return list(zip(self._allreduce(grads, variables), variables))
+
+    def get_gradients(self, loss: Any, params: Any) -> list[Any]:
+        """The optimizer's own ``get_gradients`` (graph mode), through ``_allreduce``."""
+        return self._allreduce(super().get_gradients(loss, params), params)  # type: ignore[misc]
+
+    def _aggregate_gradients(self, grads_and_vars: Any) -> Any:
+        """The optimizer's own aggregation over a strategy's replicas (none
+        here: each rank is one replica; the ranks' reduction is ``_allreduce``)."""
+        base: Any = super()
+        if hasattr(base, "_aggregate_gradients"):
+            return base._aggregate_gradients(grads_and_vars)
+        return base.aggregate_gradients(grads_and_vars)
 
 
 class _TFKerasMethods(_ApplyGradientsMethods, _VariablesMethods):
@@ -329,6 +335,8 @@ def _optimizer_kind(optimizer: Any) -> type[_DistributedMethods]:
     if package == "tf_keras":
         tf_keras = keras_module("tf_keras")
         if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
+            _keras_internal.check_overridden(_keras_internal.TF_KERAS_LEGACY_COMPUTE_GRADIENTS)
+            _keras_internal.check_overridden(_keras_internal.TF_KERAS_LEGACY_AGGREGATE_GRADIENTS)
             return _ApplyGradientsMethods
         if isinstance(optimizer, tf_keras.optimizers.Optimizer):
             return _TFKerasMethods

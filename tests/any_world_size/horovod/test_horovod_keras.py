@@ -75,18 +75,33 @@ def one_process(lr, momentum, passes, average, steps=STEPS):
 def optimizer_of(kind, lr, momentum):
     if kind == "keras":
         return keras.optimizers.SGD(lr, momentum=momentum)
+    if kind == "keras_accumulating":  # Keras 3's own accumulation: the mean of 2 passes
+        return keras.optimizers.SGD(lr, momentum=momentum, gradient_accumulation_steps=2)
     if kind == "tf_keras":
         return tf_keras.optimizers.SGD(lr, momentum=momentum)
     return tf_keras.optimizers.legacy.SGD(lr, momentum=momentum)
 
 
+KINDS = ["keras", "tf_keras", "tf_keras_legacy"]
 CASES = {
-    # id: (optimizer kind, backward passes, average them, how it trains)
+    # id: (optimizer kind, backward passes, average them, how it trains):
+    # "fit"; "loop": an eager tape's gradients to apply_gradients; "compute":
+    # Horovod's Keras 2 hooks, _compute_gradients then apply_gradients, in a
+    # tf.function (as Horovod's tests and tf_keras's minimize call them).
     "keras-fit": ("keras", 1, False, "fit"),
     "keras-fit-2passes-averaged": ("keras", 2, True, "fit"),
+    "keras-fit-4passes": ("keras", 4, False, "fit"),
     "keras-eager-loop-2passes-tf-face": ("keras", 2, False, "loop"),
+    # (passes and average: the oracle's; the optimizer has no backward passes)
+    "keras-fit-own-gradient-accumulation": ("keras_accumulating", 2, True, "fit"),
     "tf_keras-fit": ("tf_keras", 1, False, "fit"),
+    "tf_keras-fit-4passes": ("tf_keras", 4, False, "fit"),
+    "tf_keras-fit-2passes-averaged": ("tf_keras", 2, True, "fit"),
+    "tf_keras-eager-loop-2passes-averaged": ("tf_keras", 2, True, "loop"),
+    "tf_keras-compute-gradients-2passes": ("tf_keras", 2, False, "compute"),
     "tf_keras-legacy-fit-2passes": ("tf_keras_legacy", 2, False, "fit"),
+    "tf_keras-legacy-fit-4passes-averaged": ("tf_keras_legacy", 4, True, "fit"),
+    "tf_keras-legacy-compute-gradients-4passes-averaged": ("tf_keras_legacy", 4, True, "compute"),
 }
 
 
@@ -95,8 +110,12 @@ def test_distributed_optimizer_trains_as_one_process_on_the_concatenated_batches
     kind, passes, average, how = CASES[case]
     lr, momentum = 0.1, 0.5
     original = optimizer_of(kind, lr, momentum)
-    if how == "loop":  # horovod.tensorflow's DistributedOptimizer takes Keras optimizers too
-        opt = hvd_tf.DistributedOptimizer(original, backward_passes_per_step=passes)
+    if kind == "keras_accumulating":
+        opt = hvd.DistributedOptimizer(original)
+    elif how == "loop":  # horovod.tensorflow's DistributedOptimizer takes Keras optimizers too
+        opt = hvd_tf.DistributedOptimizer(
+            original, backward_passes_per_step=passes, average_aggregated_gradients=average
+        )
     else:
         opt = hvd.DistributedOptimizer(
             original, backward_passes_per_step=passes, average_aggregated_gradients=average
@@ -106,17 +125,28 @@ def test_distributed_optimizer_trains_as_one_process_on_the_concatenated_batches
     assert type(opt).__name__ == type(original).__name__
     assert opt.get_config() == original.get_config()
 
-    K = keras if kind == "keras" else tf_keras
+    K = keras if kind.startswith("keras") else tf_keras
     model = build(K, opt)
+    mse = K.losses.MeanSquaredError()
+
+    @tf.function
+    def compute_and_apply(xb, yb):
+        def loss():
+            return mse(yb, model(xb))
+
+        pairs = opt._compute_gradients(loss, var_list=model.trainable_variables)
+        opt.apply_gradients(pairs, experimental_aggregate_gradients=False)
 
     def train(first, last):
         rows = slice(first * LOCAL, last * LOCAL)
         if how == "fit":
             model.fit(X_MINE[rows], Y_MINE[rows], batch_size=LOCAL, shuffle=False, verbose=0)
             return
-        mse = keras.losses.MeanSquaredError()
         for k in range(first, last):
             xb, yb = X_MINE[k * LOCAL : (k + 1) * LOCAL], Y_MINE[k * LOCAL : (k + 1) * LOCAL]
+            if how == "compute":
+                compute_and_apply(tf.constant(xb), tf.constant(yb))
+                continue
             with tf.GradientTape() as tape:
                 loss = mse(yb, model(xb))
             grads = tape.gradient(loss, model.trainable_variables)
@@ -131,7 +161,12 @@ def test_distributed_optimizer_trains_as_one_process_on_the_concatenated_batches
     for got, expected in zip(model.get_weights(), want):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
         assert_same_on_all_ranks(got, "weights")
+    if kind == "keras_accumulating":  # Keras counts its updates
+        assert int(opt.iterations.numpy()) == STEPS // passes
+        return
     assert int(opt.iterations.numpy()) == STEPS  # (Horovod counts every backward pass)
+    if passes > 1:  # Horovod's state: the passes since the last reduction
+        assert int(opt._agg_helper.counter.numpy()) == STEPS % passes
 
 
 def test_saved_optimizer_loads_plain_and_load_model_wraps_it_with_its_state(tmp_path):
@@ -158,23 +193,180 @@ def test_saved_optimizer_loads_plain_and_load_model_wraps_it_with_its_state(tmp_
         assert_same_on_all_ranks(weight, "weights after a step of the loaded model")
 
 
-def test_partial_distributed_optimizer_keeps_local_layers_gradients_local():
+@pytest.mark.parametrize("K", [keras, tf_keras], ids=lambda K: K.__name__)
+def test_partial_distributed_optimizer_keeps_local_layers_gradients_local(K):
     lr = 0.1
-    shared, local = keras.layers.Dense(UNITS), keras.layers.Dense(UNITS)
-    model = keras.Sequential([keras.Input((FEATURES,)), shared, local])
+    shared, local = K.layers.Dense(UNITS), K.layers.Dense(UNITS)
+    model = K.Sequential([K.Input((FEATURES,)), shared, local])
     model.set_weights([KERNEL, BIAS, np.eye(UNITS, dtype=np.float32), BIAS])
-    opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(lr), local_layers=local)
-    with tf.GradientTape() as tape:
-        loss = keras.losses.MeanSquaredError()(Y_MINE, model(X_MINE))
+    opt = hvd.PartialDistributedOptimizer(K.optimizers.SGD(lr), local_layers=local)
+    with tf.GradientTape(persistent=True) as tape:
+        loss = K.losses.MeanSquaredError()(Y_MINE, model(X_MINE))
     grads = tape.gradient(loss, model.trainable_variables)
     before = model.get_weights()
-    opt.apply_gradients(zip(grads, model.trainable_variables))
+    if K is keras:
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    else:  # Horovod's Keras 2 way: its _compute_gradients, then apply what it returns
+        opt.apply_gradients(opt._compute_gradients(loss, model.trainable_variables, tape=tape))
     for i, (got, was, grad) in enumerate(zip(model.get_weights(), before, grads)):
         if i < 2:  # the shared layer: the average over the ranks
             expected = was - lr * gather_from_all_ranks(grad.numpy()).mean(0)
         else:  # the local layer: its own gradient, divided by the number of ranks
             expected = was - lr * grad.numpy() / SIZE
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def variable_of(kind, value):
+    return (keras.Variable if kind == "keras" else tf.Variable)(np.array(value, np.float32))
+
+
+@pytest.mark.parametrize("average", [False, True], ids=["summed", "averaged"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_local_variables_keep_their_own_gradients_over_the_backward_passes(kind, average):
+    passes, lr, cycles = 2, 0.5, 2
+    opt = hvd.DistributedOptimizer(
+        optimizer_of(kind, lr, 0.0),
+        backward_passes_per_step=passes,
+        average_aggregated_gradients=average,
+    )
+    shared, local = variable_of(kind, [1.0, 2.0]), variable_of(kind, [3.0, 4.0])
+    opt.register_local_var(local)
+    expected_shared, expected_local = shared.numpy().copy(), local.numpy().copy()
+    divisor = passes if average else 1
+    for cycle in range(cycles):
+        for p in range(passes):
+            grad = (RANK + 1.0) * (p + 1 + cycle) * np.array([1.0, -1.0], np.float32)
+            opt.apply_gradients([(tf.constant(grad), shared), (tf.constant(grad), local)])
+        summed = [(r + 1.0) * sum(p + 1 + cycle for p in range(passes)) for r in range(SIZE)]
+        # shared: the mean over the ranks; local: this rank's own, divided by the size
+        expected_shared -= lr * np.mean(summed) * np.array([1.0, -1.0]) / divisor
+        expected_local -= lr * summed[RANK] / SIZE * np.array([1.0, -1.0]) / divisor
+        np.testing.assert_allclose(shared.numpy(), expected_shared, rtol=1e-6)
+        np.testing.assert_allclose(local.numpy(), expected_local, rtol=1e-6)
+    assert int(opt.iterations.numpy()) == cycles * passes
+    assert int(opt._agg_helper.counter.numpy()) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_inf_gradient_stays_inf_and_is_gone_after_its_cycle(kind):
+    # Horovod: the sums are set to zero after each reduction, so one cycle's
+    # inf (here on rank 0 only) reaches the update as inf, not NaN, and the
+    # next cycle's gradients are finite. (Checked on the gradients Horovod's
+    # _allreduce returns: tf_keras's own SGD keeps an inf in its state.)
+    passes, lr = 2, 1.0
+    opt = hvd.DistributedOptimizer(
+        optimizer_of(kind, lr, 0.0),
+        backward_passes_per_step=passes,
+        average_aggregated_gradients=True,
+        sparse_as_dense=True,
+    )
+    x = variable_of(kind, [0.0, 0.0])
+    first = np.array([np.inf if RANK == 0 else 1.0, 1.0], np.float32)
+    cycles = [[first, np.ones(2, np.float32)], [np.ones(2, np.float32)] * passes]
+    reduced = []
+    for cycle in cycles:
+        for grad in cycle:
+            grads = opt._allreduce([tf.constant(grad)], [x])
+            opt.apply_gradients(zip(grads, [x]))
+        reduced.append(grads[0].numpy())
+        if len(reduced) == 1:
+            assert x.numpy()[0] == -np.inf and x.numpy()[1] == -1.0  # (the mean of 1 and 1)
+    np.testing.assert_array_equal(reduced, [[np.inf, 1.0], [1.0, 1.0]])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sparse_gradients_with_backward_passes_need_sparse_as_dense(kind):
+    # An Embedding's gradient is IndexedSlices; summed over passes only as dense (Horovod's rule).
+    K = keras if kind == "keras" else tf_keras
+    ids = np.array([[RANK % 3, 1], [2, RANK % 2]])
+
+    def model_and_grads():
+        model = K.Sequential([K.Input((2,), dtype="int32"), K.layers.Embedding(4, 3)])
+        model.set_weights([np.arange(12, dtype=np.float32).reshape(4, 3)])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(ids) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        assert isinstance(grads[0], tf.IndexedSlices)
+        return model, grads
+
+    model, grads = model_and_grads()
+    strict = hvd.DistributedOptimizer(optimizer_of(kind, 0.1, 0.0), backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="sparse_as_dense"):
+        strict.apply_gradients(zip(grads, model.trainable_variables))
+    opt = hvd.DistributedOptimizer(
+        optimizer_of(kind, 0.1, 0.0), backward_passes_per_step=2, sparse_as_dense=True
+    )
+    dense = tf.convert_to_tensor(grads[0]).numpy()
+    for _ in range(2):
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    everyone = gather_from_all_ranks(dense).mean(0)
+    expected = np.arange(12, dtype=np.float32).reshape(4, 3) - 0.1 * 2 * everyone
+    np.testing.assert_allclose(model.get_weights()[0], expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("kind", ["tf_keras", "tf_keras_legacy"])
+def test_keras2_hooks_reduce_once_and_apply_gradients_applies_what_they_return(kind, passes):
+    lr = 0.5
+    opt = hvd.DistributedOptimizer(optimizer_of(kind, lr, 0.0), backward_passes_per_step=passes)
+    assert (opt._agg_helper is None) == (passes == 1)
+    shared, local = tf.Variable([1.0, 2.0]), tf.Variable([3.0, 4.0])
+    opt.register_local_var(local)
+    scale = RANK + 1.0
+    mean_scale = np.mean([r + 1.0 for r in range(SIZE)])
+
+    def loss():
+        return scale * tf.reduce_sum(shared + 2.0 * local)
+
+    hooks = [
+        lambda: opt._compute_gradients(loss, [shared, local]),
+        lambda: opt.compute_gradients(loss, [shared, local]),  # (tf_keras's minimize calls it)
+    ]
+    for hook in hooks:
+        before = [shared.numpy(), local.numpy()]
+        for p in range(passes):
+            pairs = hook()
+            assert pairs[0][1] is shared and pairs[1][1] is local
+            if p == passes - 1:  # reduced: the mean for shared, this rank's / size for local
+                np.testing.assert_allclose(pairs[0][0], passes * mean_scale * np.ones(2))
+                np.testing.assert_allclose(pairs[1][0], passes * 2 * scale / SIZE * np.ones(2))
+            # Horovod's _aggregate_gradients: the optimizer's own (no strategy: as they are)
+            for (g, v), (g2, v2) in zip(pairs, opt._aggregate_gradients(pairs)):
+                assert v2 is v
+                np.testing.assert_array_equal(g2, g)
+            opt.apply_gradients(pairs)
+        # Applied once, as they were returned (not reduced a second time).
+        np.testing.assert_allclose(shared.numpy(), before[0] - lr * passes * mean_scale, rtol=1e-6)
+        np.testing.assert_allclose(
+            local.numpy(), before[1] - lr * passes * 2 * scale / SIZE, rtol=1e-6
+        )
+    if kind == "tf_keras_legacy":  # get_gradients: graph mode (tf.gradients)
+
+        @tf.function
+        def graph_gradients():
+            return opt.get_gradients(loss(), [shared, local])
+
+        for _ in range(passes):
+            got = graph_gradients()
+        np.testing.assert_allclose(got[0], passes * mean_scale * np.ones(2))
+        np.testing.assert_allclose(got[1], passes * 2 * scale / SIZE * np.ones(2))
+    assert int(opt.iterations.numpy()) == 2 * passes
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_private_optimizer_methods_overridden_are_listed_in_the_compat_boundary(kind):
+    original = optimizer_of(kind, 0.1, 0.0)
+    made = type(hvd.DistributedOptimizer(original))
+    overridden = {
+        name
+        for klass in made.__mro__[: made.__mro__.index(type(original))]
+        for name in vars(klass)
+        if name.startswith("_") and not name.startswith("__") and hasattr(type(original), name)
+    }
+    listed = {m.name for m in _keras_internal.OVERRIDDEN_METHODS}
+    assert overridden <= listed, overridden - listed
+    if kind == "tf_keras_legacy":  # (minimize reduces through its _compute_gradients)
+        assert "_compute_gradients" in overridden
 
 
 @pytest.mark.parametrize("K", [keras, tf_keras], ids=lambda K: K.__name__)
@@ -265,8 +457,9 @@ def test_learning_rate_warmup_callback_sets_horovods_rates(kind):
         assert all(m == momentum for _, m in seen)
 
 
-def test_learning_rate_schedule_callback_multiplies_from_its_start_epoch():
-    model = build(keras, keras.optimizers.SGD(0.1))
+@pytest.mark.parametrize("K", [keras, tf_keras], ids=lambda K: K.__name__)
+def test_learning_rate_schedule_callback_multiplies_from_its_start_epoch(K):
+    model = build(K, K.optimizers.SGD(0.1))
     history = model.fit(
         X_MINE,
         Y_MINE,
@@ -283,15 +476,16 @@ def test_learning_rate_schedule_callback_multiplies_from_its_start_epoch():
     np.testing.assert_allclose(history.history["lr"], [0.1, 0.2, 0.1, 0.1], rtol=1e-6)
 
 
-def test_best_model_checkpoint_saves_the_best_epoch(tmp_path):
-    model = build(keras, keras.optimizers.SGD(0.3))
+@pytest.mark.parametrize("K", [keras, tf_keras], ids=lambda K: K.__name__)
+def test_best_model_checkpoint_saves_the_best_epoch(K, tmp_path):
+    model = build(K, K.optimizers.SGD(0.3))
     callback = hvd.callbacks.BestModelCheckpoint(monitor="loss")
     with pytest.raises(ValueError, match="filepath"):
         model.fit(X_MINE, Y_MINE, batch_size=LOCAL, verbose=0, callbacks=[callback])
     callback.filepath = str(tmp_path / f"best{RANK}.keras")  # (one file per rank)
     weights = []
 
-    class Record(keras.callbacks.Callback):
+    class Record(K.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
             weights.append(self.model.get_weights())
 
@@ -301,7 +495,7 @@ def test_best_model_checkpoint_saves_the_best_epoch(tmp_path):
     losses = history.history["loss"]
     best = int(np.argmin(losses))
     assert callback.best == pytest.approx(losses[best])
-    for got, want in zip(keras.models.load_model(callback.filepath).get_weights(), weights[best]):
+    for got, want in zip(K.models.load_model(callback.filepath).get_weights(), weights[best]):
         np.testing.assert_array_equal(got, want)
 
 
