@@ -195,11 +195,9 @@ class _DistributedMethods:
         """``apply(grads)``: the gradients reduced here unless ``_allreduce``
         made them (then as they are, as in Horovod), every N-th pass only."""
         state = self._hvd()
-        if state.reduced_pending:
-            state.reduced_pending = False
-        else:
+        if not state.reduced_pending:
             grads = self._allreduce(grads, variables)
-            state.reduced_pending = False
+        state.reduced_pending = False
         helper = self._agg_helper
         if helper is None:
             return apply(grads)
