@@ -120,7 +120,7 @@ class Flushes:
 def _record(where: write_point.Locked, number: int, closed: bool) -> None:
     with write_point.locked(where.directory) as fd:
         if fd is None:
-            return  # (the directory took the record when the writer was made)
+            return  # (refused now, taken when the writer was made: stand-ins wait WAIT_SECONDS)
         flushed = _flushed(fd, where.job)
         flushed.pop(where.save, None)  # (re-inserted last: the newest are kept)
         flushed[where.save] = [number, closed]
