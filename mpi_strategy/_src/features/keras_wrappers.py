@@ -63,6 +63,10 @@ def merge_call_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _same_on_every_replica(value: Any) -> bool:
+    # A variable (a metric's result may be its state, Keras 3's or tf_keras's) is
+    # one object on every replica too: Keras reads it later, aggregated.
+    if callable(getattr(value, "assign", None)):
+        return True
     return PROCESS.of(_MergeResults).tensors.get(id(value)) is value
 
 

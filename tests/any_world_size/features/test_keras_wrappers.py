@@ -127,7 +127,9 @@ def raw_outputs_model(K, strategy, reduction):
                 grads = tape.gradient(loss, self.trainable_variables)
                 self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
             self.accuracy.update_state(y, logits)
+            self.rows_seen.update_state(x)
             return {
+                "rows_seen": self.rows_seen.result(),
                 "loss": loss,
                 "rows": tf.shape(x)[0],
                 "wide": tf.cast(tf.reduce_max(logits), tf.float64),
@@ -141,10 +143,22 @@ def raw_outputs_model(K, strategy, reduction):
         def test_step(self, data):
             return self.step(data, train=False)
 
+    class RowsSeen(K.metrics.Metric):  # a metric whose result is its variable
+        def __init__(self):
+            super().__init__(name="rows_seen")
+            self.rows = self.add_weight(name="rows", shape=(), initializer="zeros")
+
+        def update_state(self, x):
+            self.rows.assign_add(tf.cast(tf.shape(x)[0], tf.float32))
+
+        def result(self):
+            return self.rows
+
     with strategy.scope():
         inputs = K.Input((FEATURES,))
         model = RawOutputs(inputs, K.layers.Dense(CLASSES)(K.layers.Dense(8)(inputs)))
         model.accuracy = K.metrics.SparseCategoricalAccuracy()
+        model.rows_seen = RowsSeen()
         model.set_weights(
             [np.cos(np.arange(w.size) + 1.0).reshape(w.shape) * 0.3 for w in model.get_weights()]
         )
