@@ -189,8 +189,7 @@ def _plain(logs):
 # model's distribute_reduction_method ("auto" being its sum).
 RAW_OUTPUT_REDUCTIONS = [
     ("keras", "default"),
-    ("tf_keras", "default"),
-    ("tf_keras", "sum"),
+    ("tf_keras", "default"),  # its "auto": "sum"
     ("tf_keras", "first"),
     ("tf_keras", "concat"),
 ]
