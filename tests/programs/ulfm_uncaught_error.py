@@ -3,9 +3,12 @@
 for it. ``--elastic``: the loop runs inside elastic.run (the others go on
 without the rank), else the job ends with a non-zero status.
 ``--killed-before-strategy``: the rank is SIGKILLed before MPIStrategy() (the
-job ends, status 1). Rank 0 of the end prints one JSON line."""
+job ends, status 1; the others print EXIT_HANDLERS_RAN if they leave through
+Python's exit handlers, after which MPI_Finalize may wait for the dead rank).
+Rank 0 of the end prints one JSON line."""
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -22,8 +25,10 @@ def main():
     parser.add_argument("--elastic", action="store_true")
     parser.add_argument("--killed-before-strategy", action="store_true")
     args = parser.parse_args()
-    if args.killed_before_strategy and int(os.environ["OMPI_COMM_WORLD_RANK"]) == args.rank:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if args.killed_before_strategy:
+        if int(os.environ["OMPI_COMM_WORLD_RANK"]) == args.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        atexit.register(print, "EXIT_HANDLERS_RAN", flush=True)
     strategy = mpi_strategy.MPIStrategy()
     start_rank = strategy.extended.rank
     with strategy.scope():

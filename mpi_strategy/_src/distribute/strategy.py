@@ -194,6 +194,11 @@ class MPIExtended(_tf_internal.MirroredExtended):
         self._comm = comm
         self._rank = comm.Get_rank()
         self._num_ranks = comm.Get_size()
+        # From the first collective on, an uncaught error ends the job: under
+        # ULFM a rank lost now fails the next call on the others, whose ordinary
+        # exit could then wait in MPI_Finalize for the dead rank (ompi#11404).
+        failure.arm(comm)
+        _notify_scope_listeners()
         devices = list(devices) if devices else default_devices(comm)
         check_same_on_all_ranks(comm, len(devices), "number of devices per rank")
         super().__init__(
@@ -227,10 +232,8 @@ class MPIExtended(_tf_internal.MirroredExtended):
         )
 
     def announce(self) -> None:
-        """Once built: an uncaught exception now ends the job if this strategy
-        spans several ranks, it is where writes that name no object meet if it
-        spans the world, and process-wide effects adapt Keras imported so far."""
-        failure.arm(self._comm)
+        """Once built: it is where writes that name no object meet if it spans
+        the world, and process-wide effects adapt Keras imported so far."""
         if self._num_ranks > 1 and spans_the_world(self._comm):
             _state().world = self._container_strategy()
             if _state().job is None:  # (the same on every rank of the world)

@@ -273,6 +273,9 @@ def test_a_rank_lost_before_the_strategy_exists_ends_the_job_with_status_1():
         3, example=program("ulfm_uncaught_error.py"), args=["--killed-before-strategy"], ok=False
     )
     assert "MPI_ERR_PROC_FAILED" in out, out[-3000:]
+    # Not through Python's exit: its MPI_Finalize can wait for the dead rank.
+    assert "this rank ends with status 1, as every living rank does" in out, out[-3000:]
+    assert "EXIT_HANDLERS_RAN" not in out, out[-3000:]
 
 
 @pytest.mark.single_process
