@@ -88,9 +88,10 @@ def run_mpiexec(
     cwd: str | None = None,
     total: float | None = None,
     each_line: Callable[[str], object] | None = None,
+    cancel: threading.Event | None = None,
 ) -> tuple[int, str]:
     """Runs ``argv`` on ``n`` ranks; returns (returncode, combined output).
-    ``silence`` and ``total``: as for ``run_launcher``."""
+    ``silence``, ``total`` and ``cancel``: as for ``run_launcher``."""
     return run_launcher(
         mpiexec_command(n) + list(argv),
         silence,
@@ -98,6 +99,7 @@ def run_mpiexec(
         cwd,
         each_line,
         total,
+        cancel,
     )
 
 
@@ -108,13 +110,15 @@ def run_launcher(
     cwd: str | None = None,
     each_line: Callable[[str], object] | None = None,
     total: float | None = None,
+    cancel: threading.Event | None = None,
 ) -> tuple[int, str]:
     """Runs the launcher command line ``cmd``; returns (returncode, combined output).
 
     Raises AssertionError, with the output so far, after killing the command's
     process group, once the command has printed nothing for ``silence``
-    seconds, or (if ``total`` is given) has run for ``total`` seconds. Any
-    output counts, a partial line too (e.g. pytest's progress dots).
+    seconds, or (if ``total`` is given) has run for ``total`` seconds, or
+    once ``cancel`` is set. Any output counts, a partial line too (e.g.
+    pytest's progress dots).
     ``each_line(line)`` is called with every complete line of output as it
     comes (and with a last unterminated one at the end).
     """
@@ -166,6 +170,9 @@ def run_launcher(
                 f"no output for {silence:g} s: a hang (a deadlock, or a rank stuck in a "
                 f"collective), not a slow machine, which would go on printing"
             )
+            break
+        if cancel is not None and cancel.is_set():
+            why = "cancelled (the test session ended first)"
             break
         wait = silence - quiet
         if total is not None:

@@ -42,11 +42,27 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [i for i in items if "device_agnostic" not in i.keywords]
 
 
+def pytest_collection_finish(session):
+    # tests/launchers/test_under_mpiexec.py's launches start now, beside the
+    # 1-rank tests (in one process, which leave a core idle): CI's time.
+    if WORLD.Get_size() == 1 and not session.config.option.collectonly:
+        for module in _modules(session):
+            if hasattr(module, "start_early_launches"):
+                module.start_early_launches()
+
+
+def _modules(session):
+    return {item.module for item in getattr(session, "items", []) if hasattr(item, "module")}
+
+
 _exit_status = [0]
 
 
 def pytest_sessionfinish(session, exitstatus):
     _exit_status[0] = int(exitstatus)
+    for module in _modules(session):
+        if hasattr(module, "stop_early_launches"):
+            module.stop_early_launches()  # (if the session did not wait for them)
     # Under test_under_mpiexec.py, every rank reports how its run ended.
     report_dir = os.environ.get("MPI_STRATEGY_TEST_REPORT_DIR")
     if report_dir:

@@ -1,4 +1,6 @@
-"""Runs tests/any_world_size again under mpiexec: 3 ranks, and 2 ranks x 2 devices.
+"""Runs tests/any_world_size again under mpiexec: 3 ranks, and 2 ranks x 2
+devices, the two launches at once, started as soon as the session has
+collected these tests (``start_early_launches``).
 
 Every test module there is written to be correct at any world size; here each
 rank runs pytest on the same files, so many checks share one TensorFlow
@@ -8,9 +10,13 @@ long the whole run takes on a loaded machine.
 """
 
 import collections
+import concurrent.futures
 import itertools
 import os
+import pathlib
 import re
+import tempfile
+import threading
 import time
 
 import pytest
@@ -30,18 +36,52 @@ SILENCE = DEFAULT_SILENCE
 # the oldest TensorFlow (.ci/oldest), and a launch costs minutes.
 # test_ordered_comm and test_native compare the two engines within every launch
 # that has both.
-@pytest.mark.slow(
-    "every test of tests/any_world_size at 3 ranks and at 2 ranks x 2 devices, one launch each"
-)
-@pytest.mark.single_process
-@pytest.mark.parametrize(
-    "ranks,local_devices,kernels",
-    [(3, 1, "auto"), (2, 2, "python")],
-    ids=["3ranks", "2ranks-x-2devices-python-engine"],
-)
-def test_suite_under_mpiexec(ranks, local_devices, kernels, tmp_path, capsys):
+LAUNCHES = {
+    "3ranks": (3, 1, "auto"),
+    "2ranks-x-2devices-python-engine": (2, 2, "python"),
+}
+
+
+_BACKGROUND = concurrent.futures.ThreadPoolExecutor(1)
+_STARTED: list[concurrent.futures.Future] = []
+_CANCEL = threading.Event()
+
+
+def start_early_launches() -> None:
+    """Starts both launches now, in the background (tests/conftest.py calls it
+    once this module's tests are collected in a 1-rank session): they run
+    beside the 1-rank tests, which leave a core idle, and beside each other
+    (while one launch waits for a reference that rank 0 computes alone, the
+    other has the cores)."""
+    if not _STARTED:
+        base = pathlib.Path(tempfile.mkdtemp(prefix="mpi-strategy-under-mpiexec-"))
+        _STARTED.append(_BACKGROUND.submit(_launch_both, base))
+
+
+def stop_early_launches() -> None:
+    """Kills the launches if they still run (the session ended first)."""
+    _CANCEL.set()
+
+
+def _launched():
+    """{id: (code, out, seconds, longest gap between two lines of output,
+    report directory)} of both launches, started now if not yet."""
+    start_early_launches()
+    return _STARTED[0].result()
+
+
+def _launch_both(base):
+    with concurrent.futures.ThreadPoolExecutor(len(LAUNCHES)) as pool:
+        futures = {
+            name: pool.submit(_launch, *shape, base / name) for name, shape in LAUNCHES.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+def _launch(ranks, local_devices, kernels, reports):
+    reports.mkdir(parents=True)
     started = time.monotonic()
-    arrivals = []  # when each line of output came: the longest gap is printed
+    arrivals = []
     code, out = run_mpiexec(
         ranks,
         python_argv(
@@ -59,18 +99,30 @@ def test_suite_under_mpiexec(ranks, local_devices, kernels, tmp_path, capsys):
         env={
             "MPI_STRATEGY_TEST_LOCAL_DEVICES": str(local_devices),
             "MPI_STRATEGY_KERNELS": kernels,
-            "MPI_STRATEGY_TEST_REPORT_DIR": str(tmp_path),
+            "MPI_STRATEGY_TEST_REPORT_DIR": str(reports),
         },
         cwd=REPO,
         each_line=lambda line: arrivals.append(time.monotonic()),
+        cancel=_CANCEL,
     )
+    gap = max((b - a for a, b in itertools.pairwise(arrivals)), default=0)
+    return code, out, time.monotonic() - started, gap, reports
+
+
+@pytest.mark.slow(
+    "every test of tests/any_world_size at 3 ranks and at 2 ranks x 2 devices, one launch each"
+)
+@pytest.mark.single_process
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_suite_under_mpiexec(launch, capsys):
+    ranks, local_devices, _ = LAUNCHES[launch]
+    code, out, seconds, gap, tmp_path = _launched()[launch]
     print(out)
-    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     print(
-        f"longest gap between two lines of output: {max(gaps, default=0):.1f} s "
+        f"longest gap between two lines of output: {gap:.1f} s "
         f"(a launch is killed after {SILENCE:g} s without any output)"
     )
-    _report_time(capsys, ranks, local_devices, time.monotonic() - started, out)
+    _report_time(capsys, ranks, local_devices, seconds, out)
     assert code == 0, f"mpiexec -n {ranks} (x{local_devices} devices) failed:\n{out[-20000:]}"
     reports = {}
     for rank in range(ranks):
