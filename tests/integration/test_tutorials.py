@@ -7,8 +7,9 @@ guide) in the tutorial's order, changed only in its strategy line and its data
 one process: once per Keras (tf_keras for the tutorials written for it, Keras 3
 for the others) under ``mpiexec -n 2`` with MPIStrategy, and once in a single
 process with MirroredStrategy on two devices. Every tutorial must run to its
-end under both, rank 0 and rank 1 must report the same numbers, and those must
-be MirroredStrategy's.
+end under both, every rank must report rank 0's numbers, and those must be
+MirroredStrategy's. The programs of run_all.AT_OTHER_SHAPES run at 3 ranks and
+at 2 ranks x 2 devices too (against MirroredStrategy on 3 and 4 devices).
 
 A launch in which a rank got stuck (in a collective that a failed rank never
 joins) is aborted by run_all.py; the tutorials after the stuck one then run in
@@ -31,9 +32,14 @@ from testing.launch import MPICH_OVERSUBSCRIBED_ENV, is_open_mpi, run_launcher, 
 TUTORIALS_DIR = program("tutorials")
 RUN_ALL = os.path.join(TUTORIALS_DIR, "run_all.py")
 sys.path.insert(0, TUTORIALS_DIR)
-from run_all import NOT_AS_MIRRORED, OWN_ON_EACH_RANK, TUTORIALS  # noqa: E402
+from run_all import AT_OTHER_SHAPES, NOT_AS_MIRRORED, OWN_ON_EACH_RANK, TUTORIALS  # noqa: E402
 
-RANKS = 2
+# {shape: (ranks, devices per rank, programs)}
+SHAPES = {
+    "2ranks": (2, 1, list(TUTORIALS)),
+    "3ranks": (3, 1, list(AT_OTHER_SHAPES)),
+    "2ranks-x-2devices": (2, 2, list(AT_OTHER_SHAPES)),
+}
 # The tutorials import mpi_strategy from this checkout, wherever it is installed.
 ENV = {
     "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
@@ -51,11 +57,12 @@ LAUNCH_SILENCE = float(os.environ.get("TUTORIAL_LAUNCH_TIMEOUT", "300"))
 RTOL = ATOL = 1e-4
 
 
-def _groups():
-    """{keras: [tutorial, ...]} in run_all.py's order."""
+def _groups(names):
+    """{keras: [tutorial, ...]} of ``names``, in run_all.py's order."""
     groups = {}
     for name, keras in TUTORIALS.items():
-        groups.setdefault(keras, []).append(name)
+        if name in names:
+            groups.setdefault(keras, []).append(name)
     return groups
 
 
@@ -69,7 +76,7 @@ def _read_results(workdir):
     return results
 
 
-def _run_mpi(workdir, keras, names, launches):
+def _run_mpi(workdir, keras, names, launches, ranks, local_devices):
     """Runs ``names`` under mpiexec, relaunching after a tutorial that got stuck.
 
     Returns {tutorial: {rank: result}} and {tutorial: why it has no result on every rank}.
@@ -81,17 +88,25 @@ def _run_mpi(workdir, keras, names, launches):
         start = time.monotonic()
         try:
             code, out = run_mpiexec(
-                RANKS,
+                ranks,
                 argv,
                 silence=LAUNCH_SILENCE,
-                env=dict(ENV, **ENV_BESIDE, TUTORIAL_STRATEGY="mpi"),
+                env=dict(
+                    ENV,
+                    **ENV_BESIDE,
+                    TUTORIAL_STRATEGY="mpi",
+                    TUTORIAL_LOCAL_DEVICES=str(local_devices),
+                ),
             )
         except AssertionError as timeout:  # run_mpiexec's TIMEOUT, with the output
             code, out = "timeout", str(timeout)
-        launches.append((f"mpi {keras}: {' '.join(remaining)}", time.monotonic() - start, code))
+        shape = f"{ranks}x{local_devices}"
+        launches.append(
+            (f"mpi {shape} {keras}: {' '.join(remaining)}", time.monotonic() - start, code)
+        )
         _save_log(workdir, f"mpi-{keras}-{len(launches)}.log", out)
         results = _read_results(workdir)
-        done = [n for n in remaining if len(results.get(n, {})) == RANKS]
+        done = [n for n in remaining if len(results.get(n, {})) == ranks]
         unfinished = [n for n in remaining if n not in done]
         if not unfinished:
             if code != 0:
@@ -100,7 +115,7 @@ def _run_mpi(workdir, keras, names, launches):
                 )
             break
         first = unfinished[0]
-        missing = sorted(set(range(RANKS)) - set(results.get(first, {})))
+        missing = sorted(set(range(ranks)) - set(results.get(first, {})))
         stuck[first] = (
             f"rank(s) {missing} did not finish it (mpiexec: {code}); "
             f"end of the output:\n{_tail(out)}"
@@ -109,18 +124,22 @@ def _run_mpi(workdir, keras, names, launches):
     return _read_results(workdir), stuck
 
 
-def _run_mirrored(workdir, keras, names, launches):
+def _run_mirrored(workdir, keras, names, launches, ranks, local_devices):
     argv = [sys.executable, RUN_ALL, "--keras", keras, workdir, *names]
     start = time.monotonic()
+    env = dict(
+        ENV,
+        TUTORIAL_STRATEGY="mirrored",
+        TUTORIAL_WORKERS=str(ranks),
+        TUTORIAL_LOCAL_DEVICES=str(local_devices),
+    )
     try:
-        code, out = run_launcher(
-            argv, silence=LAUNCH_SILENCE, env=dict(ENV, TUTORIAL_STRATEGY="mirrored")
-        )
+        code, out = run_launcher(argv, silence=LAUNCH_SILENCE, env=env)
     except AssertionError as timeout:  # run_launcher's TIMEOUT, with the output
         code, out = "timeout", str(timeout)
-    launches.append((f"mirrored {keras}", time.monotonic() - start, code))
+    launches.append((f"mirrored {ranks}x{local_devices} {keras}", time.monotonic() - start, code))
     _save_log(workdir, f"mirrored-{keras}.log", out)
-    return {name: ranks.get(0) for name, ranks in _read_results(workdir).items()}
+    return {name: reports.get(0) for name, reports in _read_results(workdir).items()}
 
 
 def _tail(out, lines=40):
@@ -176,7 +195,8 @@ def _last_line(error):
 
 
 @pytest.mark.slow(
-    "TensorFlow's tutorials, changed in the strategy line only, under MPI and Mirrored"
+    "TensorFlow's tutorials and the ecosystem's programs, changed in the strategy line only, "
+    "under MPI and Mirrored: the README's promise, tried on programs nobody here wrote"
 )
 @pytest.mark.single_process
 def test_tutorials_run_under_mpi_as_under_mirrored_strategy(tmp_path):
@@ -184,77 +204,40 @@ def test_tutorials_run_under_mpi_as_under_mirrored_strategy(tmp_path):
     launches, mpi, stuck, mirrored = [], {}, {}, {}
 
     def run_under_mpi():
-        for keras, names in _groups().items():
-            workdir = str(tmp_path / f"mpi-{keras}")
-            os.makedirs(workdir)
-            results, why = _run_mpi(workdir, keras, names, launches)
-            mpi.update({n: results.get(n, {}) for n in names})
-            stuck.update(why)
+        for shape, (ranks, local_devices, programs) in SHAPES.items():
+            for keras, names in _groups(programs).items():
+                workdir = str(tmp_path / shape / f"mpi-{keras}")
+                os.makedirs(workdir)
+                results, why = _run_mpi(workdir, keras, names, launches, ranks, local_devices)
+                mpi.update({(shape, n): results.get(n, {}) for n in names})
+                stuck.update({(shape, n): text for n, text in why.items()})
 
     def run_under_mirrored():
-        for keras, names in _groups().items():
-            workdir = str(tmp_path / f"mirrored-{keras}")
-            os.makedirs(workdir)
-            results = _run_mirrored(workdir, keras, names, launches)
-            mirrored.update({n: results.get(n) for n in names})
+        for shape, (ranks, local_devices, programs) in SHAPES.items():
+            for keras, names in _groups(programs).items():
+                workdir = str(tmp_path / shape / f"mirrored-{keras}")
+                os.makedirs(workdir)
+                results = _run_mirrored(workdir, keras, names, launches, ranks, local_devices)
+                mirrored.update({(shape, n): results.get(n) for n in names})
 
-    # Side by side: the references' one process mostly leaves a core to the
-    # two ranks (which then outnumber the cores: ENV_BESIDE).
+    # Side by side, every shape in one test: the references' one process
+    # mostly leaves a core to the ranks (which then outnumber the cores:
+    # ENV_BESIDE), and either side's last launches fill the other's tail.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         for done in [pool.submit(run_under_mpi), pool.submit(run_under_mirrored)]:
             done.result()
 
     problems, table = [], []
-    for name in TUTORIALS:
-        reference = mirrored.get(name)
-        ranks = mpi.get(name, {})
-        row = [
-            f"{name} ({TUTORIALS[name]}):",
-            "  mirrored: " + ("no result" if reference is None else _last_line(reference["error"])),
-        ]
-        if reference is None or not reference["ok"]:
-            problems.append(
-                f"{name} failed under MirroredStrategy: "
-                + (reference["error"] if reference else "no result")
-            )
-        for rank in range(RANKS):
-            result = ranks.get(rank)
-            if result is None:
-                row.append(f"  mpi rank {rank}: no result (stuck; see below)")
-                problems.append(
-                    f"{name}: no result from rank {rank} under MPIStrategy: " + stuck.get(name, "?")
-                )
-                continue
-            row.append(f"  mpi rank {rank}: {_last_line(result['error'])} ({result['seconds']} s)")
-            if not result["ok"]:
-                problems.append(
-                    f"{name} failed on rank {rank} under MPIStrategy:\n" + result["error"]
-                )
-        complete = [ranks.get(r) for r in range(RANKS)]
-        if all(r is not None and r["ok"] for r in complete):
-            own, _ = OWN_ON_EACH_RANK.get(name, ((), ""))
-            for rank in range(1, RANKS):
-                numbers = complete[rank]["numbers"], complete[0]["numbers"]
-                diff = differences(*numbers, "", own, exact=True)
-                if diff:
-                    problems.append(
-                        f"{name}: rank {rank} reports other numbers than rank 0: {diff[:10]}"
-                    )
-            if reference is not None and reference["ok"]:
-                unlike, why = NOT_AS_MIRRORED.get(name, ((), ""))
-                diff = differences(complete[0]["numbers"], reference["numbers"], "", unlike)
-                if unlike:
-                    row.append(f"  not compared with mirrored: {', '.join(unlike)}: {why}")
-                if own:
-                    row.append(f"  rank 0's only: {', '.join(own)}: {OWN_ON_EACH_RANK[name][1]}")
-                if diff:
-                    problems.append(
-                        f"{name}: MPIStrategy's numbers differ from "
-                        f"MirroredStrategy's: " + "; ".join(diff[:10])
-                    )
-        table.extend(row)
-
-    problems += [f"{what}: {why}" for what, why in stuck.items() if what.startswith("(launch")]
+    for shape, (ranks, _, programs) in SHAPES.items():
+        table.append(f"== {shape}")
+        for name in programs:
+            key = (shape, name)
+            row, found = _compare(name, mirrored.get(key), mpi.get(key, {}), ranks, stuck.get(key))
+            table.extend(row)
+            problems.extend(f"[{shape}] {problem}" for problem in found)
+    problems += [
+        f"[{shape}] {what}: {why}" for (shape, what), why in stuck.items() if what.startswith("(")
+    ]
     wall = time.monotonic() - started
     table.append(
         "launches: "
@@ -263,3 +246,49 @@ def test_tutorials_run_under_mpi_as_under_mirrored_strategy(tmp_path):
     table.append(f"wall time of the whole test: {wall:.1f} s")
     print("\n".join(table))
     assert not problems, "\n".join(table) + "\n\n" + "\n\n".join(problems)
+
+
+def _compare(name, reference, reports, ranks, stuck):
+    """One program's rows of the table and its problems: it ran on every rank
+    and under MirroredStrategy, every rank reports rank 0's numbers, and those
+    are MirroredStrategy's (but for run_all.py's named differences)."""
+    problems = []
+    row = [
+        f"{name} ({TUTORIALS[name]}):",
+        "  mirrored: " + ("no result" if reference is None else _last_line(reference["error"])),
+    ]
+    if reference is None or not reference["ok"]:
+        problems.append(
+            f"{name} failed under MirroredStrategy: "
+            + (reference["error"] if reference else "no result")
+        )
+    for rank in range(ranks):
+        result = reports.get(rank)
+        if result is None:
+            row.append(f"  mpi rank {rank}: no result (stuck; see below)")
+            problems.append(f"{name}: no result from rank {rank} under MPIStrategy: {stuck}")
+            continue
+        row.append(f"  mpi rank {rank}: {_last_line(result['error'])} ({result['seconds']} s)")
+        if not result["ok"]:
+            problems.append(f"{name} failed on rank {rank} under MPIStrategy:\n" + result["error"])
+    complete = [reports.get(r) for r in range(ranks)]
+    if not all(r is not None and r["ok"] for r in complete):
+        return row, problems
+    own, _ = OWN_ON_EACH_RANK.get(name, ((), ""))
+    for rank in range(1, ranks):
+        diff = differences(complete[rank]["numbers"], complete[0]["numbers"], "", own, exact=True)
+        if diff:
+            problems.append(f"{name}: rank {rank} reports other numbers than rank 0: {diff[:10]}")
+    if reference is not None and reference["ok"]:
+        unlike, why = NOT_AS_MIRRORED.get(name, ((), ""))
+        diff = differences(complete[0]["numbers"], reference["numbers"], "", unlike)
+        if unlike:
+            row.append(f"  not compared with mirrored: {', '.join(unlike)}: {why}")
+        if own:
+            row.append(f"  rank 0's only: {', '.join(own)}: {OWN_ON_EACH_RANK[name][1]}")
+        if diff:
+            problems.append(
+                f"{name}: MPIStrategy's numbers differ from MirroredStrategy's: "
+                + "; ".join(diff[:10])
+            )
+    return row, problems

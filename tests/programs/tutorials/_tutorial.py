@@ -6,13 +6,15 @@ site/en/guide/distributed_training.ipynb) call for call, with two changes only:
 
 1. The strategy line: ``strategy = make_strategy()``. With
    ``TUTORIAL_STRATEGY=mpi`` it is ``mpi_strategy.MPIStrategy()`` (launch
-   under ``mpiexec -n 2``); with ``TUTORIAL_STRATEGY=mirrored`` it is
-   ``tf.distribute.MirroredStrategy`` over two logical CPUs of this one
+   under ``mpiexec -n N``), over ``TUTORIAL_LOCAL_DEVICES`` logical CPUs per
+   rank if that is more than 1 (as a rank's share of a node's GPUs would be);
+   with ``TUTORIAL_STRATEGY=mirrored`` it is ``tf.distribute.MirroredStrategy``
+   over ``TUTORIAL_WORKERS`` (default 2) times as many logical CPUs of this one
    process (which this module creates before anything else uses TensorFlow),
    reducing with ``ReductionToOneDevice``.
    The multi-worker tutorials read the cluster from ``TF_CONFIG`` and
    ``strategy.cluster_resolver``; here the cluster is the MPI job (or, under
-   MirroredStrategy, the two workers its two replicas stand for, this process
+   MirroredStrategy, the workers its replicas stand for, this process
    being worker 0, the chief), and ``TF_CONFIG`` is the JSON string a launcher
    would have set for it.
 2. Local data instead of downloads: ``tfds.load`` and
@@ -49,28 +51,30 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 import tensorflow as tf
 
-MIRRORED_DEVICES = ["/cpu:0", "/cpu:1"]
 SEED = 20240611
 TRAIN_EXAMPLES = 400  # global batches of 128: 128, 128, 128, 16 (a ragged last one)
 TEST_EXAMPLES = 200  # 128, 72
 
-# Before TensorFlow's runtime starts: the devices, and one thread per op (two
-# ranks share this machine's cores as MirroredStrategy's two replicas do).
-if STRATEGY == "mirrored":
-    tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices("CPU")[0],
-        [tf.config.LogicalDeviceConfiguration() for _ in MIRRORED_DEVICES],
-    )
-tf.config.threading.set_intra_op_parallelism_threads(1)
-
+LOCAL_DEVICES = int(os.environ.get("TUTORIAL_LOCAL_DEVICES", "1"))
 if STRATEGY == "mpi":
     from mpi4py import MPI
 
     RANK, WORKERS = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     _COMM = MPI.COMM_WORLD.Dup()  # the report's own messages, apart from the strategy's
+    DEVICES = [f"/cpu:{i}" for i in range(LOCAL_DEVICES)]
 else:
-    RANK, WORKERS = 0, len(MIRRORED_DEVICES)
+    RANK, WORKERS = 0, int(os.environ.get("TUTORIAL_WORKERS", "2"))
     _COMM = None
+    DEVICES = [f"/cpu:{i}" for i in range(WORKERS * LOCAL_DEVICES)]
+
+# Before TensorFlow's runtime starts: the devices, and one thread per op (the
+# ranks share this machine's cores as MirroredStrategy's replicas do).
+if len(DEVICES) > 1:
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0],
+        [tf.config.LogicalDeviceConfiguration() for _ in DEVICES],
+    )
+tf.config.threading.set_intra_op_parallelism_threads(1)
 
 # The TF_CONFIG a launcher would set for this worker of this cluster.
 TF_CONFIG = json.dumps(
@@ -115,14 +119,14 @@ def make_strategy():
     if STRATEGY == "mpi":
         import mpi_strategy
 
-        return mpi_strategy.MPIStrategy()
+        return mpi_strategy.MPIStrategy(devices=DEVICES if LOCAL_DEVICES > 1 else None)
     # On CPUs MirroredStrategy reduces with TensorFlow's collective ops by
     # default, whose instance keys start at the same number in every
     # MirroredStrategy: the second strategy of a process (the tutorials make
     # several, the driver runs several tutorials) fails with "Shape mismatch in
     # the collective instance 100". ReductionToOneDevice has no such keys.
     strategy = tf.distribute.MirroredStrategy(
-        MIRRORED_DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice()
+        DEVICES, cross_device_ops=tf.distribute.ReductionToOneDevice()
     )
     # MirroredStrategy has no cluster resolver; the multi-worker tutorials ask
     # theirs which worker this is. This process is worker 0 (the chief) of the
