@@ -225,6 +225,9 @@ TF_KERAS_FILE_UTIL_NAMES = (
     "remove_temp_dir_with_filepath",
 )
 TF_KERAS_TRAINING_STATE = "tf_keras.src.distribute.worker_training_state"
+# Keras 3's LossScaleOptimizer (its public check_finite is wrapped), by its
+# defining module's path. (tf_keras's checks the all-reduced gradients.)
+KERAS3_LOSS_SCALE_OPTIMIZER = "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer"
 # tf_keras's BackupAndRestore allow-lists strategy classes in this attribute.
 BACKUP_SUPPORTED_STRATEGIES = "_supported_strategies"
 

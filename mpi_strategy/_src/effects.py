@@ -76,6 +76,12 @@ EFFECTS = (
         "for an MPIStrategy's replicas, once Keras is imported",
     ),
     Effect(
+        "Keras 3 `LossScaleOptimizer.check_finite`",
+        "a step whose gradients overflow on any replica is skipped on every rank, as one "
+        "process skips it on the global batch",
+        "in a replica context of an MPIStrategy of several replicas",
+    ),
+    Effect(
         "Keras `CallbackList.__init__`",
         "the progress bar on rank 0 only; tf_keras's BackupAndRestore accepts MPIStrategy",
         "for a model of an MPIStrategy",
@@ -224,6 +230,12 @@ def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
         for call in site.write_calls:
             _replace(
                 call.owner, call.name, functools.partial(calls.write_point_wrapper, listed=call)
+            )
+        if package == "keras":
+            _replace(
+                _keras_internal.KERAS3_LOSS_SCALE_OPTIMIZER,
+                "check_finite",
+                keras_wrappers.check_finite_wrapper,
             )
         if package == "tf_keras":
             for name in _keras_internal.TF_KERAS_FILE_UTIL_NAMES:

@@ -12,7 +12,9 @@ What the wrappers below do, for models whose strategy is an MPIStrategy
 * tf_keras's redirection of non-chief writes to temporary directories is
   off: every rank names the real path, and the write points decide who writes;
 * tf_keras's ``BackupAndRestore(save_before_preemption=True)`` works (tf_keras
-  enables it on Google Cloud only): TensorFlow's PreemptionCheckpointHandler.
+  enables it on Google Cloud only): TensorFlow's PreemptionCheckpointHandler;
+* Keras 3's ``LossScaleOptimizer`` skips a step whose gradients overflow on
+  any replica, on every rank.
 """
 
 from __future__ import annotations
@@ -104,6 +106,30 @@ def reduce_per_replica_wrapper(original: Callable[..., Any], auto: str) -> Calla
         return tf.nest.pack_sequence_as(values, leaves)
 
     return reduce_per_replica
+
+
+def check_finite_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Keras 3's ``LossScaleOptimizer.check_finite`` under an MPIStrategy of
+    several replicas: true on every replica only if every replica's gradients
+    are finite, as the summed gradients of one process on the global batch
+    are. (Keras takes each process's first replica's answer: one rank would
+    apply the step, and all-reduce, while another skipped it.)"""
+
+    @functools.wraps(original)
+    def check_finite(self: Any, grads: Any) -> Any:
+        finite = original(self, grads)
+        strategy = tf.distribute.get_strategy()
+        context = tf.distribute.get_replica_context()
+        if (
+            not isinstance(strategy, MPIStrategy)
+            or strategy.num_replicas_in_sync == 1
+            or context is None
+        ):
+            return finite
+        overflowed = context.all_reduce("SUM", tf.cast(tf.logical_not(finite), tf.int32))
+        return tf.equal(overflowed, 0)
+
+    return check_finite
 
 
 def _per_replica(value: Any) -> bool:

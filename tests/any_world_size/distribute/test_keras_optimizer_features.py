@@ -115,6 +115,54 @@ def test_fit_matches_one_process_without_strategy(strategy, case):
     assert losses[-1] < losses[0]
 
 
+def _fit_with_loss_scaling(strategy, x):
+    """Weights, the optimizer's steps applied and its loss scale after one
+    epoch of ``fit`` under mixed_float16 with a LossScaleOptimizer."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with strategy.scope() if strategy else tf.distribute.get_strategy().scope():
+            model = keras.Sequential(
+                [
+                    keras.Input((FEATURES,)),
+                    keras.layers.Dense(8, activation="relu"),
+                    keras.layers.Dense(CLASSES, dtype="float32"),
+                ]
+            )
+            model.set_weights(
+                [np.cos(np.arange(w.size)).reshape(w.shape) * 0.3 for w in model.get_weights()]
+            )
+            optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+            model.compile(
+                optimizer=optimizer,
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+        model.fit(x, Y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    optimizer = model.optimizer
+    return (
+        model.get_weights(),
+        int(optimizer.inner_optimizer.iterations.numpy()),
+        float(optimizer.dynamic_scale.numpy()),
+    )
+
+
+def test_loss_scaling_skips_a_step_that_overflows_on_one_replica_on_every_rank(strategy):
+    """One example of the first batch too large for float16, in the last
+    replica's share: that step is skipped and the loss scale halved on every
+    rank, as one process does on the global batch. (Keras asks each process's
+    first replica whether the gradients are finite: ranks would part ways.)"""
+    x = X.copy()
+    x[BATCH - 1] = 1e5  # inf in float16
+    weights, applied, scale = _fit_with_loss_scaling(strategy, x)
+    want = computed_on_rank0(lambda: _fit_with_loss_scaling(None, x))
+    assert (applied, scale) == want[1:] == (EXAMPLES // BATCH - 1, 2.0**14)
+    for i, (w, ref) in enumerate(zip(weights, want[0])):
+        assert np.all(np.isfinite(w)), f"weight {i}"
+        np.testing.assert_allclose(w, ref, rtol=1e-3, atol=1e-3, err_msg=f"weight {i}")
+        assert_same_on_all_ranks(w, f"weight {i}")
+
+
 def test_all_reduce_inside_tf_cond_of_a_replica_function(strategy):
     """The tf.distribute mechanism underneath: ReplicaContext.all_reduce inside a
     tf.cond of the function given to ``strategy.run``."""
