@@ -48,25 +48,31 @@ def _synchronizes_in_cond(adam_kwargs):
     )
 
 
+def _model():
+    """A small MLP with fixed weights, its logits in float32 under any policy."""
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(CLASSES, dtype="float32"),
+        ]
+    )
+    model.set_weights(
+        [
+            np.sin(np.arange(w.size) + 1.0).reshape(w.shape).astype(np.float32) * 0.3
+            for w in model.get_weights()
+        ]
+    )
+    return model
+
+
 def fit(strategy, adam_kwargs, steps_per_execution, policy):
     """Per-epoch losses, final weights and optimizer step count of a short ``fit``
     (``strategy`` None: one process, no strategy)."""
     keras.mixed_precision.set_global_policy(policy or "float32")
     try:
         with strategy.scope() if strategy else tf.distribute.get_strategy().scope():
-            model = keras.Sequential(
-                [
-                    keras.Input((FEATURES,)),
-                    keras.layers.Dense(16, activation="relu"),
-                    keras.layers.Dense(CLASSES, dtype="float32"),
-                ]
-            )
-            model.set_weights(
-                [
-                    np.sin(np.arange(w.size) + 1.0).reshape(w.shape).astype(np.float32) * 0.3
-                    for w in model.get_weights()
-                ]
-            )
+            model = _model()
             optimizer = keras.optimizers.Adam(learning_rate=0.02, **adam_kwargs)
             if policy:
                 optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
@@ -121,16 +127,7 @@ def _fit_with_loss_scaling(strategy, x):
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         with strategy.scope() if strategy else tf.distribute.get_strategy().scope():
-            model = keras.Sequential(
-                [
-                    keras.Input((FEATURES,)),
-                    keras.layers.Dense(8, activation="relu"),
-                    keras.layers.Dense(CLASSES, dtype="float32"),
-                ]
-            )
-            model.set_weights(
-                [np.cos(np.arange(w.size)).reshape(w.shape) * 0.3 for w in model.get_weights()]
-            )
+            model = _model()
             optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
             model.compile(
                 optimizer=optimizer,

@@ -52,9 +52,11 @@ TUTORIALS = {
 # The programs that also run at 3 ranks and at 2 ranks x 2 devices (the other
 # shapes of tests/launchers/test_under_mpiexec.py), where a replica's share of a
 # batch and the order of a sum change: tf_keras's custom loops, summaries one
-# rank writes, a checkpointed iterator, TensorFlow Recommenders' retrieval fit
-# (CI time: the rest at 2 ranks only). Keras 3's fit under any strategy fails
-# on the first batch if it does not split evenly (so do input_tutorial,
+# rank writes, a checkpointed iterator (CI time: the rest at 2 ranks only).
+# TensorFlow Recommenders' retrieval ranks near-equal scores in its first
+# epoch's top-k accuracies: at 2 x 2 another association of the sum's rounding
+# reorders them (CI saw top-50 0.100 against 0.031). Keras 3's fit under any
+# strategy fails on the first batch if it does not split evenly (so do input_tutorial,
 # keras_guide_custom_train_step, multi_worker_with_ctl_tutorial at 3 replicas
 # under MirroredStrategy too, and keras_guide_subclassing's fit on 2 examples
 # at 4), and MirroredStrategy over 4 devices takes minutes for Keras 3's guides.
@@ -62,7 +64,6 @@ AT_OTHER_SHAPES = (
     "custom_training_tutorial",
     "checkpoint_guide",
     "summary_custom_loop_guide",
-    "tfrs_diststrat_retrieval",
 )
 
 # Each program's deviations from its source beyond the strategy line (its
