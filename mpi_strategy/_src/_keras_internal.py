@@ -293,11 +293,39 @@ TF_KERAS_LEGACY_AGGREGATE_GRADIENTS = OverriddenMethod(
     ("grads_and_vars",),
     (2, 21),
 )
+# features/sharding.py: MPIStrategy(shard="optimizer") wraps Keras 3's
+# TFOptimizer._backend_update_step (where the gradients are summed over the
+# replicas and the variables updated) and calls the two methods it calls.
+KERAS3_TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer:TFOptimizer"
+KERAS3_BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer:BaseOptimizer"
+KERAS3_SHARDED_UPDATE = (
+    OverriddenMethod(
+        KERAS3_TF_OPTIMIZER,
+        "_backend_update_step",
+        ("grads", "trainable_variables", "learning_rate"),
+        (3, 15),
+    ),
+    OverriddenMethod(
+        KERAS3_TF_OPTIMIZER,
+        "_distributed_tf_update_step",
+        ("distribution", "grads_and_vars", "learning_rate"),
+        (3, 15),
+    ),
+    OverriddenMethod(
+        KERAS3_TF_OPTIMIZER, "_all_reduce_sum_gradients", ("grads_and_vars",), (3, 15)
+    ),
+)
+# ... and reads these attributes of an optimizer: its strategy (TFOptimizer)
+# and the variables it was built with (set at the end of BaseOptimizer.build,
+# before a subclass makes its slots).
+KERAS3_OPTIMIZER_STRATEGY = "_distribution_strategy"
+KERAS3_OPTIMIZER_BUILT_WITH = "_trainable_variables"
 OVERRIDDEN_METHODS = (
     BATCH_NORM_MOMENTS,
     TF_KERAS_BATCH_NORM_MOMENTS,
     TF_KERAS_LEGACY_COMPUTE_GRADIENTS,
     TF_KERAS_LEGACY_AGGREGATE_GRADIENTS,
+    *KERAS3_SHARDED_UPDATE,
 )
 
 

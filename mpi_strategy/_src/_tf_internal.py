@@ -45,6 +45,7 @@ if _version > SUPPORTED_TF[1]:
 
 try:
     from tensorflow.python import tf2 as _tf2
+    from tensorflow.python.checkpoint.sharding import sharding_policies as _sharding_policies
     from tensorflow.python.data.ops import multi_device_iterator_ops as _multi_device_iterator_ops
     from tensorflow.python.distribute import (
         cross_device_ops as _cross_device_ops,
@@ -58,7 +59,10 @@ try:
     from tensorflow.python.ops import (
         control_flow_util as _control_flow_util,
         gen_dataset_ops as _gen_dataset_ops,
+        resource_variable_ops as _resource_variable_ops,
     )
+    from tensorflow.python.trackable import base as _trackable_base
+    from tensorflow.python.training.saving import saveable_object as _saveable_object
 except ImportError as exc:  # pragma: no cover - only on an untested TF
     raise MPIStrategyError(
         f"TensorFlow {tf.__version__} moved a private module mpi_strategy relies "
@@ -74,6 +78,20 @@ get_distributed_datasets_from_function = _input_util.get_distributed_datasets_fr
 # What those two build under TF2 (distribute/datasets.py subclasses them).
 DistributedDataset = _input_lib.DistributedDataset
 DistributedDatasetsFromFunction = _input_lib.DistributedDatasetsFromFunction
+# A sharded optimizer's slot placeholder (distribute/sharding.py) is a
+# ResourceVariable whose checkpoint value is a SaveSpec of None (recorded in the
+# object graph, written by no one here: functional_saver's _single_shard_save),
+# under the key every variable's value has. A sharded save keeps TF's own
+# sharding of the tensors it sees (the default policy, one shard per device task).
+ResourceVariable = _resource_variable_ops.ResourceVariable
+SaveSpec = _saveable_object.SaveSpec
+VARIABLE_VALUE_KEY = _trackable_base.VARIABLE_VALUE_KEY
+ShardByTaskPolicy = _sharding_policies.ShardByTaskPolicy
+
+
+def saver_root(saver: Any) -> Any:
+    """The object a ``TrackableSaver`` saves (its graph view's root)."""
+    return saver._graph_view.root
 
 
 def tf2_enabled() -> bool:
@@ -172,6 +190,11 @@ OVERRIDDEN_HOOKS = {
         "_num_between_graph_workers",  # 1 would make TF skip the reduction
         "_gather_implementation",
         "_gather",  # (called) by MPIExtended's gather
+    ),
+    # distribute/sharding.py: SlotPlaceholder(ResourceVariable)
+    ResourceVariable: (
+        "_serialize_to_tensors",  # recorded in a checkpoint, written by its owner
+        "_restore_from_tensors",  # a restore skips it
     ),
 }
 # Private attributes MPIExtended sets for TensorFlow's and Keras' readers:
@@ -300,6 +323,10 @@ if not hasattr(*MERGE_CALL):  # pragma: no cover - only on an untested TF
         f"TensorFlow {tf.__version__} has no _MirroredReplicaContext._merge_call, which "
         "mpi_strategy wraps. Install a TensorFlow between 2.16 and 2.21."
     )
+
+# The write call that saves a sharded optimizer's slots in parts, one per rank
+# that holds some (features/saving/sharded.py): it sees the object graph.
+SAVED_IN_PARTS = ("tensorflow.python.checkpoint.checkpoint:TrackableSaver", "save")
 
 # Checkpoint methods that hand the write to a background thread when
 # CheckpointOptions(experimental_enable_async_checkpoint=True): features/saving/calls.py

@@ -32,9 +32,9 @@ from mpi_strategy._src.core import failure, logs, timeline
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.distribute import strategy as strategy_lib
-from mpi_strategy._src.features import at_exit, keras_wrappers, preemption
+from mpi_strategy._src.features import at_exit, keras_wrappers, preemption, sharding
 from mpi_strategy._src.features.elastic import ulfm_exit
-from mpi_strategy._src.features.saving import calls
+from mpi_strategy._src.features.saving import calls, sharded
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,20 @@ EFFECTS = (
         "a step whose gradients overflow on any replica is skipped on every rank, as one "
         "process skips it on the global batch",
         "in a replica context of an MPIStrategy of several replicas",
+    ),
+    Effect(
+        "Keras 3 `TFOptimizer.add_variable_from_reference`, `_backend_update_step`; "
+        "`BaseOptimizer.save_own_variables`, `load_own_variables` "
+        "(`_keras_internal.KERAS3_SHARDED_UPDATE`)",
+        "each rank keeps the slots of its share of the variables, updates those and "
+        "gathers the others; Keras saves stream each slot from its owner",
+        'for an optimizer built in the scope of an MPIStrategy(shard="optimizer") of several ranks',
+    ),
+    Effect(
+        "`TrackableSaver.save` (a write point, above)",
+        "a checkpoint of a sharded optimizer is written in parts by the ranks that hold "
+        "them, merged into one",
+        "for a checkpoint holding slots of a sharded optimizer",
     ),
     Effect(
         "Keras `CallbackList.__init__`",
@@ -237,6 +251,8 @@ def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
                 "check_finite",
                 keras_wrappers.check_finite_wrapper,
             )
+            for owner, name, wrapper in _SHARDING_WRAPPERS:
+                _replace(owner, name, wrapper)
         if package == "tf_keras":
             for name in _keras_internal.TF_KERAS_FILE_UTIL_NAMES:
                 _replace(
@@ -258,8 +274,34 @@ def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
         )
 
 
+_SHARDING_WRAPPERS = (
+    (
+        _keras_internal.KERAS3_TF_OPTIMIZER,
+        "add_variable_from_reference",
+        sharding.add_variable_from_reference_wrapper,
+    ),
+    (
+        _keras_internal.KERAS3_TF_OPTIMIZER,
+        "_backend_update_step",
+        sharding.backend_update_step_wrapper,
+    ),
+    (
+        _keras_internal.KERAS3_BASE_OPTIMIZER,
+        "save_own_variables",
+        sharding.save_own_variables_wrapper,
+    ),
+    (
+        _keras_internal.KERAS3_BASE_OPTIMIZER,
+        "load_own_variables",
+        sharding.load_own_variables_wrapper,
+    ),
+)
+
+
 def _write_call_wrapper(original: Any, *, call: _tf_internal.WriteCall, synchronous: bool) -> Any:
     wrapper = calls.write_point_wrapper(original, call)
+    if (call.owner, call.name) == _tf_internal.SAVED_IN_PARTS:
+        wrapper = sharded.save_in_parts_wrapper(wrapper)
     return calls.synchronous_checkpoint_wrapper(wrapper) if synchronous else wrapper
 
 

@@ -32,7 +32,7 @@ from mpi_strategy._src.core.validation import (
     resolve_comm,
     spans_the_world,
 )
-from mpi_strategy._src.distribute import compression as compression_lib, datasets
+from mpi_strategy._src.distribute import compression as compression_lib, datasets, sharding
 from mpi_strategy._src.distribute.cluster_resolver import MPIClusterResolver
 from mpi_strategy._src.distribute.cross_device_ops import MPICrossDeviceOps
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
@@ -125,6 +125,12 @@ class MPIStrategy(tf.distribute.Strategy):
         networks where bandwidth limits the step. Lossy. Or a policy object,
         e.g. ``mpi_strategy.compression.SixteenBit("bfloat16", min_bytes=...)``
         for another threshold: see ``mpi_strategy.compression``.
+      shard: None (default: every rank holds the optimizer's whole state) or
+        ``"optimizer"``: each rank keeps the optimizer's per-variable state
+        (Adam's moments, momentum, ...) for its share of the variables only,
+        about 1/N of it, updates those variables and all-gathers them (ZeRO
+        stage 1; Keras 3 optimizers; the same numbers as without it; see
+        docs/sharding.md). Every rank must pass the same.
     """
 
     # MirroredExtended reads this from its container strategy.
@@ -138,6 +144,7 @@ class MPIStrategy(tf.distribute.Strategy):
         devices: Sequence[str] | None = None,
         communication_options: tf.distribute.experimental.CommunicationOptions | None = None,
         compression: str | compression_lib.CompressionPolicy | None = None,
+        shard: str | None = None,
     ) -> None:
         extended = MPIExtended(
             self,
@@ -145,6 +152,7 @@ class MPIStrategy(tf.distribute.Strategy):
             devices=devices,
             communication_options=communication_options,
             compression=compression,
+            shard=shard,
         )
         super().__init__(extended)
         extended.announce()
@@ -159,7 +167,8 @@ class MPIStrategy(tf.distribute.Strategy):
         ext = self.extended
         return (
             f"MPIStrategy(rank={ext.rank}, size={ext.comm.Get_size()}, "
-            f"devices={list(ext.worker_devices)})"
+            f"devices={list(ext.worker_devices)}"
+            + (f", shard={ext.shard!r})" if ext.shard else ")")
         )
 
 
@@ -175,9 +184,11 @@ class MPIExtended(_tf_internal.MirroredExtended):
         devices: Sequence[str] | None = None,
         communication_options: tf.distribute.experimental.CommunicationOptions | None = None,
         compression: str | compression_lib.CompressionPolicy | None = None,
+        shard: str | None = None,
     ) -> None:
         # Checked before any MPI call or process-wide hook, alike on every rank.
         compression = compression_lib.resolve(compression)
+        self._shard = sharding.resolve(shard)
         comm = resolve_comm(comm)
         if communication_options is None:
             communication_options = tf.distribute.experimental.CommunicationOptions()
@@ -201,6 +212,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         _notify_scope_listeners()
         devices = list(devices) if devices else default_devices(comm)
         check_same_on_all_ranks(comm, len(devices), "number of devices per rank")
+        check_same_on_all_ranks(comm, sharding.MODES.index(self._shard), "shard= argument")
         super().__init__(
             container_strategy,
             devices=devices,
@@ -219,7 +231,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
         self._task_type, self._task_id = "worker", self._rank
         logger.info(
             "MPIStrategy: %d rank(s) x %d device(s) = %d replicas (%s); %s; collective "
-            "timeout: %s; compression: %s",
+            "timeout: %s; compression: %s; sharded: %s",
             self._num_ranks,
             len(self._devices),
             self._num_replicas_in_sync,
@@ -229,6 +241,7 @@ class MPIExtended(_tf_internal.MirroredExtended):
             if communication_options.timeout_seconds
             else "none",
             self._cross_device_ops.compression,
+            self._shard or "nothing",
         )
 
     def announce(self) -> None:
@@ -286,6 +299,11 @@ class MPIExtended(_tf_internal.MirroredExtended):
     @property
     def rank(self) -> int:
         return self._rank
+
+    @property
+    def shard(self) -> str | None:
+        """What each rank keeps only its share of: None, or "optimizer"."""
+        return self._shard
 
     @property
     def _num_replicas_in_sync(self) -> int:
@@ -398,8 +416,9 @@ class MPIExtended(_tf_internal.MirroredExtended):
     def _get_variable_creator_initial_value(
         self, replica_id: int, device: Any, primary_var: Any, **kwargs: Any
     ) -> Any:
-        if replica_id != 0 or self._num_ranks == 1:
-            # Other local replicas copy the first one, as in MirroredStrategy.
+        if replica_id != 0 or self._num_ranks == 1 or sharding.starting_alike():
+            # Other local replicas copy the first one, as in MirroredStrategy;
+            # a sharded slot starts alike on its owner alone.
             return super()._get_variable_creator_initial_value(
                 replica_id, device, primary_var, **kwargs
             )

@@ -34,6 +34,7 @@ import tensorflow as tf
 from mpi4py import MPI
 
 from mpi_strategy._src.core import ulfm
+from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.distribute.strategy import MPIStrategy
 from mpi_strategy._src.features.elastic import (
@@ -71,6 +72,12 @@ def run(
     if isinstance(min_ranks, bool) or not isinstance(min_ranks, int) or min_ranks < 1:
         raise ValueError(
             f"mpi_strategy.elastic.run: min_ranks must be an int >= 1, got {min_ranks!r}."
+        )
+    if strategy.extended.shard:
+        raise MPIStrategyError(
+            f"mpi_strategy.elastic.run: MPIStrategy(shard={strategy.extended.shard!r}) holds "
+            "each rank's share of the optimizer's state on that rank alone, which a lost rank "
+            "takes with it; elastic training needs MPIStrategy() without shard=."
         )
     where = os.fspath(directory)
 

@@ -296,9 +296,9 @@ def write_point(ordered: OrderedComm, path: str | os.PathLike[str], what: str) -
         # Every rank meets again, except one whose error came from meeting
         # there a rank that failed earlier in the save.
         if WRITE_DONE not in agreement.disagreed:
-            _meet_after(ordered, what, path, f"{type(exc).__name__}: {exc}")
+            meet_after(ordered, what, path, f"{type(exc).__name__}: {exc}")
         raise
-    _meet_after(ordered, what, path, "")
+    meet_after(ordered, what, path, "")
 
 
 def _topology(ordered: OrderedComm) -> filesystems.Topology:
@@ -461,10 +461,13 @@ def remove_memory_path(path: str) -> None:
         pass  # memory only, freed with the process: nothing on disk is left behind
 
 
-def _meet_after(ordered: OrderedComm, what: str, path: str, failure: str) -> None:
-    """Every rank waits for every other; a failure anywhere raises everywhere."""
+def meet_after(
+    ordered: OrderedComm, what: str, path: str, failure: str, kind: Kind = WRITE_DONE
+) -> None:
+    """Every rank waits for every other (in a meeting of ``kind``); a failure
+    anywhere (this rank's ``failure``, "" if none) raises everywhere."""
     failure = failure[:_ERROR_CHARS]
-    everyone = ordered.agreement.agree(WRITE_DONE, np.uint8, [], nbytes=len(failure))
+    everyone = ordered.agreement.agree(kind, np.uint8, [], nbytes=len(failure))
     assert everyone is not None  # (not a partial kind)
     if not everyone[:, Field.BYTES].any():
         return

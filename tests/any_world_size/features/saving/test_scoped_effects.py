@@ -145,7 +145,7 @@ def test_a_keyboard_interrupt_in_a_save_leads_into_no_collective(strategy, share
     """Ctrl-C during a save ends the job like any uncaught exception (the
     excepthook): the ranks do not meet after the save first."""
     met_after = []
-    monkeypatch.setattr(write_point, "_meet_after", lambda *args: met_after.append(args))
+    monkeypatch.setattr(write_point, "meet_after", lambda *args: met_after.append(args))
 
     def interrupted(self, *args, **kwargs):
         raise KeyboardInterrupt
