@@ -291,6 +291,58 @@ def test_a_sharded_checkpoint_holds_the_unsharded_bytes_and_restores_either_way(
                 np.testing.assert_array_equal(w, e, err_msg=f"weight {i} from {restore}")
 
 
+def _slot_key(i):
+    """The checkpoint key of a Keras 3 optimizer's i-th variable (under ``optimizer``)."""
+    return f"optimizer/_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def _assert_restores_the_checkpoint(strategy, path):
+    """A model and Adam built in ``strategy``'s scope and restored from
+    ``path``: every variable this rank holds equals the checkpoint's."""
+    with strategy.scope():
+        model = _model()
+        optimizer = OPTIMIZERS["adam"]()
+        optimizer.build(model.trainable_variables)
+    tf.train.Checkpoint(model=model, optimizer=optimizer).read(
+        path
+    ).assert_existing_objects_matched()
+    assert len(optimizer.variables) == 2 + 2 * len(model.trainable_variables)
+    for i, v in enumerate(optimizer.variables[2:], start=2):  # (after iterations, rate)
+        if _held_here(v):
+            np.testing.assert_array_equal(v.numpy(), tf.train.load_variable(path, _slot_key(i)))
+    np.testing.assert_array_equal(
+        optimizer.iterations.numpy(),
+        tf.train.load_variable(path, "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"),
+    )
+
+
+@partitioned
+def test_a_checkpoint_restores_at_another_world_size_and_in_one_process(sharded, shared_dir):
+    """Saved sharded over every rank: restored sharded over all ranks but the
+    last (a world one rank smaller), and in one process without a strategy;
+    saved there, restored over every rank again."""
+    model, optimizer, _ = train(sharded, OPTIMIZERS["adam"])
+    saved = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
+        os.path.join(shared_dir, "all", "ckpt")
+    )
+    _assert_restores_the_checkpoint(sharded, saved)
+    fewer_ranks = WORLD.Split(0 if RANK < SIZE - 1 else 1, RANK)
+    if RANK < SIZE - 1:
+        fewer = mpi_strategy.MPIStrategy(
+            comm=fewer_ranks, devices=local_devices(), shard="optimizer"
+        )
+        _assert_restores_the_checkpoint(fewer, saved)
+        model, optimizer, _ = train(fewer, OPTIMIZERS["adam"], restore=saved, start=STEPS, steps=1)
+        again = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
+            os.path.join(shared_dir, "fewer", "ckpt")
+        )
+    if RANK == 0:
+        _assert_restores_the_checkpoint(tf.distribute.get_strategy(), saved)
+    again = WORLD.bcast(again if RANK == 0 else None, root=0)
+    _assert_restores_the_checkpoint(sharded, again)
+    fewer_ranks.Free()
+
+
 @partitioned
 def test_keras_weights_files_hold_every_slot_and_load_into_a_sharded_model(
     strategy, sharded, shared_dir
