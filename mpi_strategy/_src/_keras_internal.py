@@ -319,6 +319,8 @@ KERAS3_SHARDED_UPDATE = (
 # and the variables it was built with (set at the end of BaseOptimizer.build,
 # before a subclass makes its slots).
 KERAS3_OPTIMIZER_STRATEGY = "_distribution_strategy"
+# tf_keras's optimizers are not sharded: their build raises under shard=.
+TF_KERAS_OPTIMIZER = "tf_keras.src.optimizers.optimizer:_BaseOptimizer"
 KERAS3_OPTIMIZER_BUILT_WITH = "_trainable_variables"
 OVERRIDDEN_METHODS = (
     BATCH_NORM_MOMENTS,

@@ -86,7 +86,8 @@ EFFECTS = (
         "`BaseOptimizer.save_own_variables`, `load_own_variables` "
         "(`_keras_internal.KERAS3_SHARDED_UPDATE`)",
         "each rank keeps the slots of its share of the variables, updates those and "
-        "gathers the others; Keras saves stream each slot from its owner",
+        "gathers the others; Keras saves stream each slot from its owner; tf_keras's "
+        "`_BaseOptimizer.build` raises (not sharded yet)",
         'for an optimizer built in the scope of an MPIStrategy(shard="optimizer") of several ranks',
     ),
     Effect(
@@ -253,6 +254,8 @@ def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
             )
             for owner, name, wrapper in _SHARDING_WRAPPERS:
                 _replace(owner, name, wrapper)
+        if package == "tf_keras":
+            _replace(_keras_internal.TF_KERAS_OPTIMIZER, "build", sharding.tf_keras_build_wrapper)
         if package == "tf_keras":
             for name in _keras_internal.TF_KERAS_FILE_UTIL_NAMES:
                 _replace(

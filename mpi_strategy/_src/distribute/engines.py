@@ -220,4 +220,6 @@ class NativeEngine:
             return kernels.reducescatter(token, inputs[0], c.op, timeout)
         if c.kind == "barrier":
             return kernels.barrier(token, timeout)
-        return kernels.allgather(token, inputs, timeout)
+        if c.kind == "allgather":
+            return kernels.allgather(token, inputs, timeout)
+        raise ValueError(f"mpi_strategy: no native kernel for collective kind {c.kind!r}")

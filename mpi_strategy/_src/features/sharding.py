@@ -248,3 +248,26 @@ def load_own_variables_wrapper(original: Callable[..., Any]) -> Callable[..., An
         return None
 
     return load_own_variables
+
+
+def tf_keras_build_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """tf_keras's ``_BaseOptimizer.build``: raises in a sharding MPIStrategy of
+    several ranks (its optimizers are not sharded: the program would hold the
+    whole state while asking for a share)."""
+
+    @functools.wraps(original)
+    def build(self: Any, var_list: Any) -> Any:
+        strategy = tf.distribute.get_strategy()
+        if (
+            isinstance(strategy, MPIStrategy)
+            and strategy.extended.shard
+            and strategy.extended.comm.Get_size() > 1
+        ):
+            raise MPIStrategyError(
+                f"mpi_strategy: MPIStrategy(shard={strategy.extended.shard!r}) shards Keras 3 "
+                f"optimizers; tf_keras's {type(self).__name__} is not sharded yet. Use Keras "
+                "3's, or MPIStrategy() without shard=."
+            )
+        return original(self, var_list)
+
+    return build

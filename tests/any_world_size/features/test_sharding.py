@@ -92,31 +92,40 @@ def train(strategy, make_optimizer, steps=STEPS, start=0, restore=None):
     """A custom loop (``apply_gradients`` in ``strategy.run``) over global
     batches ``start`` .. ``start + steps``, from the checkpoint ``restore`` if
     given: the model, the optimizer and the weights after each step."""
+    return train_each(strategy, {"": make_optimizer}, steps, start, restore)[""]
+
+
+def train_each(strategy, make_optimizers, steps=STEPS, start=0, restore=None):
+    """``train`` of a model per optimizer ``{name: make_optimizer}``, all in one
+    step function: ``{name: (model, optimizer, weights after each step)}``."""
+    trained = {}
     with strategy.scope():
-        model = _model()
-        optimizer = make_optimizer()
-        optimizer.build(model.trainable_variables)
+        for name, make_optimizer in make_optimizers.items():
+            model, optimizer = _model(), make_optimizer()
+            optimizer.build(model.trainable_variables)
+            trained[name] = (model, optimizer, [])
     if restore:
-        tf.train.Checkpoint(model=model, optimizer=optimizer).read(
-            restore
-        ).assert_existing_objects_matched()
+        for model, optimizer, _ in trained.values():
+            checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+            checkpoint.read(restore).assert_existing_objects_matched()
     data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH).skip(start).take(steps)
 
     @tf.function
     def step(x, y):
         def replica(x, y):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(tf.square(model(x) - y)) / BATCH
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            for model, optimizer, _ in trained.values():
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(tf.square(model(x) - y)) / BATCH
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
         strategy.run(replica, (x, y))
 
-    history = []
     for x, y in strategy.experimental_distribute_dataset(data):
         step(x, y)
-        history.append(model.get_weights())
-    return model, optimizer, history
+        for model, _, history in trained.values():
+            history.append(model.get_weights())
+    return trained
 
 
 def _held_here(variable):
@@ -134,19 +143,20 @@ def _assert_slots_equal(optimizer, want):
 
 
 @partitioned
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_custom_loop_matches_the_unsharded_run_bit_for_bit(strategy, sharded, name):
-    _, want_optimizer, want = train(strategy, OPTIMIZERS[name])
-    _, optimizer, got = train(sharded, OPTIMIZERS[name])
-    for step, (weights, expected) in enumerate(zip(got, want, strict=True)):
-        for i, (w, e) in enumerate(zip(weights, expected, strict=True)):
-            np.testing.assert_array_equal(w, e, err_msg=f"{name}: weight {i} after step {step}")
-    for i, w in enumerate(got[-1]):
-        assert_same_on_all_ranks(w, f"{name}: weight {i}")
-    _assert_slots_equal(optimizer, want_optimizer)
-    placeholders = [v for v in optimizer.variables if not _held_here(v)]
-    assert placeholders
-    assert all(v.value.shape.num_elements() == 0 for v in placeholders)
+def test_custom_loop_matches_the_unsharded_run_bit_for_bit(strategy, sharded):
+    """Every optimizer of OPTIMIZERS, each on its own model, in one step function."""
+    wanted, trained = train_each(strategy, OPTIMIZERS), train_each(sharded, OPTIMIZERS)
+    for name, (_, optimizer, got) in trained.items():
+        _, want_optimizer, want = wanted[name]
+        for step, (weights, expected) in enumerate(zip(got, want, strict=True)):
+            for i, (w, e) in enumerate(zip(weights, expected, strict=True)):
+                np.testing.assert_array_equal(w, e, err_msg=f"{name}: weight {i} after step {step}")
+        for i, w in enumerate(got[-1]):
+            assert_same_on_all_ranks(w, f"{name}: weight {i}")
+        _assert_slots_equal(optimizer, want_optimizer)
+        placeholders = [v for v in optimizer.variables if not _held_here(v)]
+        assert placeholders, name
+        assert all(v.value.shape.num_elements() == 0 for v in placeholders)
 
 
 @partitioned
@@ -391,3 +401,13 @@ def test_shard_arguments_that_are_not_built_raise():
 def test_elastic_training_of_a_sharded_strategy_raises(sharded, tmp_path):
     with pytest.raises(MPIStrategyError, match="elastic training needs MPIStrategy"):
         mpi_strategy.elastic.run(sharded, str(tmp_path))
+
+
+@partitioned
+def test_a_tf_keras_optimizer_raises_on_every_rank(sharded):
+    tf_keras = pytest.importorskip("tf_keras")
+    with sharded.scope():
+        model = tf_keras.Sequential([tf_keras.Input((FEATURES,)), tf_keras.layers.Dense(2)])
+        optimizer = tf_keras.optimizers.Adam()
+        with pytest.raises(MPIStrategyError, match="tf_keras's Adam is not sharded yet"):
+            optimizer.build(model.trainable_variables)

@@ -1,0 +1,172 @@
+"""Sharded optimizer state (``MPIStrategy(shard="optimizer")``) against the replicated step.
+
+    python -m benchmarks.sharding                  # 1, 2, 3, 4 ranks; mlp and cnn
+    python -m benchmarks.sharding --quick          # fewer steps
+    mpiexec -n K python -m benchmarks.sharding --worker mlp,cnn   # one launch
+
+Per launch of K ranks and per model (Adam, the custom loop of train_step.py),
+both variants live in the same processes and are timed in alternating rounds
+(these VMs drift 2x between runs; a ratio measured side by side does not):
+stage 0 (``MPIStrategy()``) and stage 1 (``shard="optimizer"``). Each rank
+reports the bytes of optimizer state it holds (its slots' elements: a slot
+held by another rank is a placeholder of 0 elements) and the median step time.
+The target: optimizer state per rank <= 1/K of the replicated state plus the
+largest variable's slots, and stage 1's step within 5% of stage 0's.
+Stage 2 (``shard="gradients"``) is not built: no column.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+STAGES = {"stage 0": None, "stage 1": "optimizer"}
+GLOBAL_BATCH = {"mlp": 256, "cnn": 128}
+
+
+def _worker(model_names, steps, rounds):
+    import numpy as np
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    import keras
+
+    import mpi_strategy
+    from benchmarks import models
+
+    for name in model_names:
+        variants = {}
+        for stage, shard in STAGES.items():
+            strategy = mpi_strategy.MPIStrategy(shard=shard)
+            x, y = models.batch(name, GLOBAL_BATCH[name] // strategy.num_replicas_in_sync)
+            with strategy.scope():
+                model = models.build(name)
+                optimizer = keras.optimizers.Adam(1e-3)
+                optimizer.build(model.trainable_variables)
+            variants[stage] = (
+                _step(strategy, model, optimizer, x, y, GLOBAL_BATCH[name]),
+                optimizer,
+            )
+        times = {stage: [] for stage in STAGES}
+        for stage, (step, _) in variants.items():
+            for _ in range(3):  # warm-up (traced)
+                step()
+        for _ in range(rounds):
+            for stage, (step, _) in variants.items():
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    step()
+                    times[stage].append(time.perf_counter() - start)
+        row = {
+            "model": name,
+            "ranks": strategy.extended.comm.Get_size(),
+            "rank": strategy.extended.rank,  # (the last strategy's: the same comm)
+            "parameters": int(
+                sum(np.prod(v.shape) for v in variants["stage 0"][1].variables[2:]) // 2
+            ),
+            "largest_unit": max(
+                int(np.prod(v.shape)) * 4 * 2 for v in variants["stage 0"][1].variables[2:]
+            ),
+        }
+        for stage, (_, optimizer) in variants.items():
+            row[f"{stage} bytes"] = int(
+                sum(v.value.shape.num_elements() * v.value.dtype.size for v in optimizer.variables)
+            )
+            row[f"{stage} ms"] = 1000 * statistics.median(times[stage])
+        print(json.dumps(row), flush=True)
+
+
+def _step(strategy, model, optimizer, x, y, global_batch):
+    import tensorflow as tf
+
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def replica_step():
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(
+                loss_fn(y, model(x, training=True)), global_batch_size=global_batch
+            )
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    @tf.function
+    def step():
+        strategy.run(replica_step)
+
+    def run():
+        step()
+        model.trainable_variables[0].numpy()  # (waits for the step)
+
+    return run
+
+
+def _table(rows):
+    """The Markdown table: per model and world size, the largest rank's figures."""
+    lines = [
+        "| model | ranks | optimizer state per rank, stage 0 | stage 1 | stage 1 / stage 0 "
+        "| bound (1/N + largest) | step ms, stage 0 | stage 1 | stage 1 / stage 0 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    by_launch = {}
+    for row in rows:
+        by_launch.setdefault((row["model"], row["ranks"]), []).append(row)
+    for (model, ranks), launch in sorted(by_launch.items()):
+        full = max(r["stage 0 bytes"] for r in launch)
+        held = max(r["stage 1 bytes"] for r in launch)
+        bound = full / ranks + launch[0]["largest_unit"]
+        ms0 = statistics.median(r["stage 0 ms"] for r in launch)
+        ms1 = statistics.median(r["stage 1 ms"] for r in launch)
+        lines.append(
+            f"| {model} | {ranks} | {full / 2**20:.2f} MiB | {held / 2**20:.2f} MiB | "
+            f"{held / full:.2f} | {bound / 2**20:.2f} MiB{'' if held <= bound else ' (missed)'} | "
+            f"{ms0:.1f} | {ms1:.1f} | {ms1 / ms0:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", metavar="MODELS", help="run in this launch (under mpiexec)")
+    parser.add_argument("--ranks", default="1,2,3,4", help="world sizes (default 1,2,3,4)")
+    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--quick", action="store_true", help="few steps: does it run here?")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
+    args = parser.parse_args(argv)
+    steps = args.steps or (2 if args.quick else 10)
+    if args.worker:
+        _worker(args.worker.split(","), steps, 1 if args.quick else args.rounds)
+        return 0
+    from benchmarks import load_average
+    from benchmarks.launching import launch_together, python_module
+    from testing.launch import mpiexec_command, mpiexec_env
+
+    rows, failed = [], []
+    for ranks in (int(k) for k in args.ranks.split(",")):
+        command = mpiexec_command(ranks) + python_module(
+            "benchmarks.sharding",
+            "--worker",
+            args.models,
+            "--steps",
+            str(steps),
+            "--rounds",
+            str(1 if args.quick else args.rounds),
+        )
+        got, error = launch_together([(command, mpiexec_env(ranks))])
+        rows += got
+        if error:
+            failed.append(f"{ranks} ranks: {error}")
+    print(f"Sharded optimizer state (Adam), load average {load_average()}\n")
+    print(_table(rows))
+    for line in failed:
+        print(f"\nFAILED {line}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
