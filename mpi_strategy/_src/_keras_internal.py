@@ -322,6 +322,11 @@ KERAS3_OPTIMIZER_STRATEGY = "_distribution_strategy"
 # tf_keras's optimizers are not sharded: their build raises under shard=.
 TF_KERAS_OPTIMIZER = "tf_keras.src.optimizers.optimizer:_BaseOptimizer"
 KERAS3_OPTIMIZER_BUILT_WITH = "_trainable_variables"
+# ... and, to update the rows of a variable a rank holds in part, has the
+# optimizer's own update_step look up the slots of those rows: it enters the
+# rows' variable in this dict of the optimizer (BaseOptimizer: variable key ->
+# position) for the update's duration, keyed by the optimizer's _var_key.
+KERAS3_OPTIMIZER_INDICES = "_trainable_variables_indices"
 OVERRIDDEN_METHODS = (
     BATCH_NORM_MOMENTS,
     TF_KERAS_BATCH_NORM_MOMENTS,

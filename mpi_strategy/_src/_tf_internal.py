@@ -61,7 +61,10 @@ try:
         gen_dataset_ops as _gen_dataset_ops,
         resource_variable_ops as _resource_variable_ops,
     )
-    from tensorflow.python.trackable import base as _trackable_base
+    from tensorflow.python.trackable import (
+        base as _trackable_base,
+        trackable_utils as _trackable_utils,
+    )
     from tensorflow.python.training.saving import saveable_object as _saveable_object
 except ImportError as exc:  # pragma: no cover - only on an untested TF
     raise MPIStrategyError(
@@ -92,6 +95,16 @@ ShardByTaskPolicy = _sharding_policies.ShardByTaskPolicy
 def saver_root(saver: Any) -> Any:
     """The object a ``TrackableSaver`` saves (its graph view's root)."""
     return saver._graph_view.root
+
+
+def value_keys(saver: Any) -> Iterator[tuple[Any, str]]:
+    """(object, the checkpoint key of its value if it is a variable) for every
+    object a ``TrackableSaver`` saves (its graph view's traversal, as its save
+    names them)."""
+    _, paths = saver._graph_view.breadth_first_traversal()
+    for obj, path in paths.items():
+        name = _trackable_utils.object_path_to_string(path)
+        yield obj, _trackable_utils.checkpoint_key(name, VARIABLE_VALUE_KEY)
 
 
 def tf2_enabled() -> bool:

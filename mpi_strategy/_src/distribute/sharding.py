@@ -17,6 +17,7 @@ gradients, and the ranks then all-gather the updated variables. The pieces:
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -48,28 +49,51 @@ def resolve(shard: str | None) -> str | None:
     return shard
 
 
-def partition(units: Sequence[tuple[str, int]], size: int) -> list[int]:
-    """The owner rank of each unit ``(name, nbytes)``, in the order given.
+class Piece(NamedTuple):
+    """Rows ``start`` .. ``stop`` of a variable (its first axis), held by ``rank``."""
 
-    Largest first (ties by name), each to the least-loaded rank (ties to the
-    lowest): no rank holds more than total/size + the largest unit. The result
-    depends on the set of units, not on their order (names must be unique).
+    rank: int
+    start: int
+    stop: int
+
+
+def partition(units: Sequence[tuple[int, int]], size: int) -> list[tuple[Piece, ...]]:
+    """The pieces of each unit ``(rows, bytes per row)``, in the order given.
+
+    The units laid end to end are cut in ``size`` runs of (as nearly as whole
+    rows allow) equal bytes, rank r holding the r-th: no rank holds more than
+    total/size + the bytes between two cuts. Only a unit that straddles a cut is split (at
+    most size - 1 of them); every other unit is held whole by one rank. Cuts
+    fall on 64-byte boundaries of the unit: a piece's elements take the same
+    SIMD lanes as in the whole, so an elementwise update of it gives the same
+    bits. (A unit of 1 row is never cut.)
     """
-    load = [0] * size
-    owners = [0] * len(units)
-    for i in sorted(range(len(units)), key=lambda i: (-units[i][1], units[i][0])):
-        rank = min(range(size), key=lambda r: (load[r], r))
-        owners[i] = rank
-        load[rank] += units[i][1]
-    return owners
+    total = sum(rows * per_row for rows, per_row in units) or 1
+    pieces, offset = [], 0
+    for rows, per_row in units:
+        granule = _CUT_BYTES // math.gcd(_CUT_BYTES, per_row)  # rows between possible cuts
+        cuts = [0]
+        for rank in range(1, size):  # where rank's run starts, in this unit's rows
+            row = (rank * total / size - offset) / per_row
+            cuts.append(min(rows, max(0, round(row / granule) * granule)))
+        cuts.append(rows)
+        pieces.append(
+            tuple(Piece(r, cuts[r], cuts[r + 1]) for r in range(size) if cuts[r + 1] > cuts[r])
+        )
+        offset += rows * per_row
+    return pieces
 
 
-def check_same_partition(
-    ordered: OrderedComm, units: Sequence[tuple[str, int]], owners: Sequence[int]
-) -> None:
-    """Makes the next collective raise on every rank if ranks partitioned differently."""
-    digest = zlib.crc32(repr(list(zip(units, owners))).encode())
-    ordered.check_same_constants([np.array([digest], np.uint32)])
+_CUT_BYTES = 64  # the widest SIMD register (AVX-512), and TensorFlow's buffer alignment
+
+
+def check_same_partition(ordered: OrderedComm, pieces: Sequence[tuple[Piece, ...]]) -> None:
+    """Makes the next collective raise on every rank if ranks partitioned
+    differently (checked now, eagerly: a graph being traced may be dropped,
+    as tf.function drops the trace that created the variables)."""
+    digest = zlib.crc32(repr(list(pieces)).encode())
+    with tf.init_scope():
+        ordered.check_same_constants([np.array([digest], np.uint32)])
 
 
 class SlotPlaceholder(_tf_internal.ResourceVariable):
@@ -79,23 +103,25 @@ class SlotPlaceholder(_tf_internal.ResourceVariable):
     does not write (the owner writes it); a restore skips it; reading or
     assigning it raises (a code path that would train on it must not)."""
 
-    def __init__(self, full_shape: tf.TensorShape, dtype: tf.DType, owner: int, name: str) -> None:
+    def __init__(
+        self, full_shape: tf.TensorShape, dtype: tf.DType, held_by: str, name: str
+    ) -> None:
         super().__init__(
             initial_value=tf.zeros([0], dtype), trainable=False, name=name, dtype=dtype
         )
         self.full_shape = tf.TensorShape(full_shape)
-        self.owner = owner
+        self.held_by = held_by
 
     def _refuse(self, *_: Any, **__: Any) -> Any:
         raise MPIStrategyError(
             f"mpi_strategy: optimizer slot {self.name} of shape {self.full_shape} lives on "
-            f"rank {self.owner} (MPIStrategy(shard='optimizer')); this rank holds none of it."
+            f"{self.held_by} (MPIStrategy(shard='optimizer')); this rank holds none of it."
         )
 
     numpy = read_value = value = assign = assign_add = assign_sub = _refuse
 
     def __repr__(self) -> str:
-        return f"<SlotPlaceholder {self.name} shape={self.full_shape} owner=rank {self.owner}>"
+        return f"<SlotPlaceholder {self.name} shape={self.full_shape} on {self.held_by}>"
 
     def _serialize_to_tensors(self) -> dict[str, Any]:
         # A value of None: in the object graph, not in this rank's files.
@@ -106,16 +132,50 @@ class SlotPlaceholder(_tf_internal.ResourceVariable):
         return tf.no_op()
 
 
-def placeholder_creator(full_shape: Any, owner: int) -> Callable[..., SlotPlaceholder]:
+def rows_creator(piece: Piece) -> Callable[..., Any]:
+    """A ``tf.variable_creator_scope`` creator of a slot holding ``piece``'s
+    rows of a slot: recorded in a checkpoint with no value (its rank writes
+    the rows itself, as a slice of the whole: ``slice_spec``), restored from
+    the rows of the whole value. (Set on the variable as it is made: a
+    restore that waits for it runs as soon as the optimizer tracks it.)"""
+
+    def create(next_creator: Any, **kwargs: Any) -> Any:
+        variable = next_creator(**kwargs)
+        dtype = tf.as_dtype(variable.dtype)
+
+        def serialize() -> dict[str, Any]:
+            spec = _tf_internal.SaveSpec(lambda: None, "", "", dtype=dtype, device=variable.device)
+            return {_tf_internal.VARIABLE_VALUE_KEY: spec}
+
+        def restore(restored_tensors: Any) -> Any:
+            whole = restored_tensors[_tf_internal.VARIABLE_VALUE_KEY]
+            return variable.assign(whole[piece.start : piece.stop])
+
+        object.__setattr__(variable, "_serialize_to_tensors", serialize)
+        object.__setattr__(variable, "_restore_from_tensors", restore)
+        return variable
+
+    return create
+
+
+def slice_spec(full_shape: tf.TensorShape, piece: Piece) -> str:
+    """TensorFlow's name of ``piece``'s rows of a tensor of ``full_shape``
+    (``tf.Variable.SaveSliceInfo.spec``): "4 3 2,2:-" for rows 2-3 of 4 x 3."""
+    rest = ["-"] * (len(full_shape) - 1)
+    dims = " ".join(str(int(d)) for d in full_shape)
+    return f"{dims} {':'.join([f'{piece.start},{piece.stop - piece.start}', *rest])}"
+
+
+def placeholder_creator(full_shape: Any, held_by: str) -> Callable[..., SlotPlaceholder]:
     """A ``tf.variable_creator_scope`` creator that makes ``SlotPlaceholder``s
-    of slots of ``full_shape`` that rank ``owner`` holds (the requested initial
-    value is never computed)."""
+    of slots of ``full_shape`` held by ``held_by`` (e.g. "rank 1"; the
+    requested initial value is never computed)."""
 
     def create(next_creator: Any, **kwargs: Any) -> SlotPlaceholder:
         del next_creator
         dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
         with tf.init_scope():
-            return SlotPlaceholder(full_shape, dtype, owner, kwargs.get("name") or "slot")
+            return SlotPlaceholder(full_shape, dtype, held_by, kwargs.get("name") or "slot")
 
     return create
 
@@ -141,41 +201,70 @@ def starting_alike() -> bool:
     return getattr(_local, "alike", False)
 
 
-def gather_from_owners(
-    ordered: OrderedComm, variables: Sequence[Any], owners: Sequence[int]
+def gather_pieces(
+    ordered: OrderedComm,
+    shapes: Sequence[tf.TensorShape],
+    dtypes: Sequence[tf.DType],
+    pieces: Sequence[tuple[Piece, ...]],
+    mine: dict[int, tf.Tensor],
 ) -> list[tf.Tensor | None]:
-    """Every variable's value as its owner holds it, on every rank: one
-    all-gather of each rank's owned variables (flattened, one tensor per
-    dtype). Returns None for this rank's own variables (unchanged)."""
-    dtypes = sorted({v.dtype for v in variables}, key=lambda d: d.name)
-    mine = [
-        _flat([v for v, o in zip(variables, owners) if o == ordered.rank and v.dtype == d], d)
-        for d in dtypes
-    ]
-    gathered = dict(zip(dtypes, ordered.allgather_many(mine)))
-    values: list[tf.Tensor | None] = [None] * len(variables)
-    for d in dtypes:
+    """Every variable whole, on every rank, from its ``pieces``: one all-gather
+    of each rank's pieces (``mine``: variable index -> this rank's rows;
+    flattened, one tensor per dtype). None for a variable this rank holds whole."""
+    kinds = sorted(set(dtypes), key=lambda d: d.name)
+    flat = {d: [tf.reshape(mine[i], [-1]) for i in sorted(mine) if dtypes[i] == d] for d in kinds}
+    sent = [tf.concat(flat[d], 0) if flat[d] else tf.zeros([0], d) for d in kinds]
+    gathered = dict(zip(kinds, ordered.allgather_many(sent)))
+    rows = {}  # (variable, rank) -> its rows
+    for d in kinds:
         order = sorted(
-            (i for i, v in enumerate(variables) if v.dtype == d), key=lambda i: (owners[i], i)
+            ((p.rank, i, p) for i in range(len(shapes)) if dtypes[i] == d for p in pieces[i]),
+            key=lambda t: (t[0], t[1]),
         )
-        sizes = [variables[i].shape.num_elements() for i in order]
-        for i, part in zip(order, tf.split(gathered[d], sizes)):
-            if owners[i] != ordered.rank:
-                values[i] = tf.reshape(part, variables[i].shape)
+        sizes = [(p.stop - p.start) * _row_elements(shapes[i]) for _, i, p in order]
+        for (rank, i, p), part in zip(order, tf.split(gathered[d], sizes)):
+            rows[i, rank] = tf.reshape(part, [p.stop - p.start, *shapes[i][1:]])
+    values: list[tf.Tensor | None] = []
+    for i, shape in enumerate(shapes):
+        if pieces[i] == (Piece(ordered.rank, 0, pieces[i][-1].stop),):
+            values.append(None)
+        else:
+            whole = tf.concat([rows[i, p.rank] for p in pieces[i]], 0)
+            values.append(tf.reshape(whole, shape))
     return values
 
 
-def _flat(variables: Sequence[Any], dtype: tf.DType) -> tf.Tensor:
-    if not variables:
-        return tf.zeros([0], dtype)
-    return tf.concat([tf.reshape(tf.convert_to_tensor(v), [-1]) for v in variables], 0)
+def rows_of(shape: tf.TensorShape) -> int:
+    """The rows a variable of ``shape`` is cut in: its first axis (a scalar: 1)."""
+    return int(shape[0]) if shape.rank else 1
+
+
+def _row_elements(shape: tf.TensorShape) -> int:
+    return int(np.prod(shape[1:])) if shape.rank else 1
 
 
 class Held(NamedTuple):
-    """Where a sharded optimizer's slot is: rank ``owner`` of ``ordered``."""
+    """Where a sharded optimizer's slot of ``shape`` is: its ``pieces`` over
+    the ranks of ``ordered``."""
 
-    owner: int
+    pieces: tuple[Piece, ...]
     ordered: OrderedComm
+    shape: tf.TensorShape
+
+    @property
+    def here(self) -> Piece | None:
+        """This rank's piece, or None."""
+        return next((p for p in self.pieces if p.rank == self.ordered.rank), None)
+
+    @property
+    def whole_here(self) -> bool:
+        """True if this rank holds all of it."""
+        return len(self.pieces) == 1 and self.pieces[0].rank == self.ordered.rank
+
+    def ranks(self) -> str:
+        """Who holds it, e.g. "rank 1" or "ranks 0, 1"."""
+        ranks = [str(p.rank) for p in self.pieces]
+        return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}"
 
 
 # Set on each slot (the Keras variable) of a sharded optimizer.

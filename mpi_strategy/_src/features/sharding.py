@@ -48,17 +48,29 @@ _PLAN = "_mpi_strategy_plan"
 
 @dataclass(frozen=True)
 class Plan:
-    """Which rank of ``ordered`` owns each variable an optimizer was built with."""
+    """How the variables an optimizer was built with are cut over the ranks of
+    ``ordered`` (``pieces``, by position), and this rank's shadows: a variable
+    for each of its pieces that is not a whole variable (the optimizer updates
+    those rows there, with slots of their shape)."""
 
     ordered: OrderedComm
-    owner_by_id: dict[int, int]
+    index_by_id: dict[int, int]
+    pieces: tuple[tuple[sharding.Piece, ...], ...]
+    shadows: dict[int, Any]
 
-    def owner(self, variable: Any) -> int | None:
-        return self.owner_by_id.get(id(variable))
+    def index(self, variable: Any) -> int | None:
+        """The variable's position in the list the optimizer was built with."""
+        return self.index_by_id.get(id(variable))
 
-    @property
-    def rank(self) -> int:
-        return self.ordered.rank
+    def position(self, variable: Any) -> int:
+        """``index``, for a variable that must be in that list."""
+        index = self.index(variable)
+        if index is None:
+            raise MPIStrategyError(
+                f"mpi_strategy: {getattr(variable, 'path', variable)} is not among the "
+                "variables the sharded optimizer was built with."
+            )
+        return index
 
 
 def plan_of(optimizer: Any) -> Plan | None:
@@ -74,10 +86,17 @@ def plan_of(optimizer: Any) -> Plan | None:
     for method in _keras_internal.KERAS3_SHARDED_UPDATE:
         _keras_internal.check_overridden(method)
     ordered = strategy.extended.ordered_comm
-    units = _units(variables)
-    owners = sharding.partition(units, ordered.size)
-    sharding.check_same_partition(ordered, units, owners)
-    plan = Plan(ordered, {id(v): o for v, o in zip(variables, owners)})
+    cuttable = _updates_elementwise(optimizer)
+    units = [_rows_and_bytes(v) if cuttable else _whole_unit(v) for v in variables]
+    pieces = tuple(sharding.partition(units, ordered.size))
+    sharding.check_same_partition(ordered, pieces)
+    shadows = {
+        i: _shadow(strategy, v, piece)
+        for i, (v, cut) in enumerate(zip(variables, pieces))
+        for piece in cut
+        if piece.rank == ordered.rank and len(cut) > 1
+    }
+    plan = Plan(ordered, {id(v): i for i, v in enumerate(variables)}, pieces, shadows)
     object.__setattr__(optimizer, _PLAN, plan)  # (not a tracked attribute)
     return plan
 
@@ -94,20 +113,58 @@ def _sharding(optimizer: Any) -> MPIStrategy | None:
     return None
 
 
-def _units(variables: Sequence[Any]) -> list[tuple[str, int]]:
-    """(name, bytes) of each variable, named by its position in the list the
-    optimizer was built with: the same on every rank (the program is; the
-    variables' own names need not be, e.g. where rank 0 alone built another
-    model first)."""
-    return [
-        (f"{i:08d}", int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size)
-        for i, v in enumerate(variables)
-    ]
+def _updates_elementwise(optimizer: Any) -> bool:
+    """True for Keras' optimizers whose update of a variable is elementwise
+    (its rows can be updated apart); not a subclass, which may not be."""
+    kind = type(optimizer)
+    return kind.__module__.startswith("keras.") and kind.__name__ in _ELEMENTWISE
+
+
+# Keras 3 optimizers whose update_step is elementwise (not Lamb's trust ratio,
+# Muon's orthogonalization, Adafactor's factored moments: whole variables there).
+_ELEMENTWISE = (
+    "SGD",
+    "Adam",
+    "AdamW",
+    "RMSprop",
+    "Adagrad",
+    "Adadelta",
+    "Adamax",
+    "Nadam",
+    "Lion",
+    "Ftrl",
+)
+
+
+def _whole_unit(variable: Any) -> tuple[int, int]:
+    """A variable as one row: never cut."""
+    rows, per_row = _rows_and_bytes(variable)
+    return 1, rows * per_row
+
+
+def _rows_and_bytes(variable: Any) -> tuple[int, int]:
+    """(rows, bytes per row) of a variable (rows: its first axis)."""
+    shape = tf.TensorShape(variable.shape)
+    rows = sharding.rows_of(shape)
+    return rows, int(np.prod(shape)) * tf.as_dtype(variable.dtype).size // max(rows, 1)
+
+
+def _shadow(strategy: MPIStrategy, variable: Any, piece: sharding.Piece) -> Any:
+    """A variable of ``piece``'s rows of ``variable``, made by this rank alone."""
+    with strategy.extended.colocate_vars_with(variable.value), sharding.slots_start_alike():
+        return _keras().Variable(
+            initializer="zeros",
+            shape=(piece.stop - piece.start, *variable.shape[1:]),
+            dtype=variable.dtype,
+            trainable=False,
+            name=f"{variable.name}_rows_{piece.start}_{piece.stop}",
+        )
 
 
 def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """Keras 3 ``TFOptimizer.add_variable_from_reference``: the slot itself on
-    the rank that owns ``reference_variable``, a placeholder on the others."""
+    the rank that holds all of ``reference_variable``, the slot of its rows on
+    a rank that holds some, a placeholder on the others."""
 
     @functools.wraps(original)
     def add_variable_from_reference(
@@ -119,18 +176,22 @@ def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callabl
                 sharding.mark_replicated(slot)
             return slot
         plan = plan_of(self)
-        owner = plan.owner(reference_variable) if plan else None
-        if plan is None or owner is None:
+        index = plan.index(reference_variable) if plan else None
+        if plan is None or index is None:
             return original(self, reference_variable, name=name, initializer=initializer)
         _check_constant(self, name, initializer)
-        if owner == plan.rank:
-            with sharding.slots_start_alike():
-                slot = original(self, reference_variable, name=name, initializer=initializer)
-        else:
-            creator = sharding.placeholder_creator(reference_variable.shape, owner)
+        held = sharding.Held(plan.pieces[index], plan.ordered, reference_variable.shape)
+        here = held.here
+        if here is None:
+            creator = sharding.placeholder_creator(reference_variable.shape, held.ranks())
             with tf.variable_creator_scope(creator):
                 slot = original(self, reference_variable, name=name, initializer=initializer)
-        sharding.mark_slot(slot, sharding.Held(owner, plan.ordered))
+        else:
+            rows = reference_variable if held.whole_here else plan.shadows[index]
+            creator = _unchanged if held.whole_here else sharding.rows_creator(here)
+            with sharding.slots_start_alike(), tf.variable_creator_scope(creator):
+                slot = original(self, rows, name=name, initializer=initializer)
+        sharding.mark_slot(slot, held)
         return slot
 
     return add_variable_from_reference
@@ -139,6 +200,10 @@ def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callabl
 def _keras() -> Any:
     """Keras 3 (imported by the program already: these wrappers are installed once it is)."""
     return importlib.import_module("keras")
+
+
+def _unchanged(next_creator: Any, **kwargs: Any) -> Any:
+    return next_creator(**kwargs)
 
 
 def _check_constant(optimizer: Any, name: Any, initializer: Any) -> None:
@@ -152,8 +217,8 @@ def _check_constant(optimizer: Any, name: Any, initializer: Any) -> None:
 
 def backend_update_step_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """Keras 3 ``TFOptimizer._backend_update_step``: the gradients summed over
-    every replica, this rank's variables updated, the others gathered from
-    their owners."""
+    every replica, this rank's variables (and rows) updated, the others
+    gathered from the ranks that hold them."""
 
     @functools.wraps(original)
     def _backend_update_step(
@@ -164,16 +229,20 @@ def backend_update_step_wrapper(original: Callable[..., Any]) -> Callable[..., A
             return original(self, grads, trainable_variables, learning_rate)
         _check_all_state_partitioned(self)
         strategy = getattr(self, _keras_internal.KERAS3_OPTIMIZER_STRATEGY)
-        owners = [plan.owner(v) for v in trainable_variables]
+        indices = [plan.position(v) for v in trainable_variables]
         variables = [_tf_variable(v) for v in trainable_variables]
         summed = self._all_reduce_sum_gradients(list(zip(grads, variables)))
-        owned = [pair for pair, owner in zip(summed, owners) if owner == plan.rank]
-        tf.__internal__.distribute.interim.maybe_merge_call(
-            self._distributed_tf_update_step, strategy, owned, learning_rate
-        )
-        tf.__internal__.distribute.interim.maybe_merge_call(
-            _assign_from_owners, strategy, plan.ordered, variables, owners
-        )
+        whole, rows = [], []
+        for (grad, variable), i in zip(summed, indices):
+            here = sharding.Held(plan.pieces[i], plan.ordered, variable.shape)
+            if here.whole_here:
+                whole.append((grad, variable))
+            elif here.here is not None:
+                rows.append((grad, variable, plan.shadows[i], here.here))
+        merge_call = tf.__internal__.distribute.interim.maybe_merge_call
+        merge_call(self._distributed_tf_update_step, strategy, whole, learning_rate)
+        merge_call(_update_rows, strategy, self, rows, learning_rate)
+        merge_call(_assign_from_pieces, strategy, plan, variables, indices)
 
     return _backend_update_step
 
@@ -182,10 +251,46 @@ def _tf_variable(variable: Any) -> Any:
     return variable.value if isinstance(variable, _keras().Variable) else variable
 
 
-def _assign_from_owners(
-    distribution: Any, ordered: OrderedComm, variables: Sequence[Any], owners: Sequence[int]
+def _update_rows(
+    distribution: Any, optimizer: Any, rows: Sequence[Any], learning_rate: Any
 ) -> None:
-    for variable, value in zip(variables, sharding.gather_from_owners(ordered, variables, owners)):
+    """The optimizer's own update of this rank's rows of variables held in
+    pieces: each shadow takes the rows of its variable and its gradient."""
+    indices = getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_INDICES)
+    for grad, variable, shadow, piece in rows:
+        key = optimizer._var_key(shadow)
+        indices[key] = indices[optimizer._var_key(variable)]  # (its slots: the rows')
+        try:
+            distribution.extended.update(
+                shadow.value,
+                functools.partial(_update_piece, optimizer, piece),
+                args=(grad, variable, learning_rate),
+                group=False,
+            )
+        finally:
+            del indices[key]
+
+
+def _update_piece(
+    optimizer: Any, piece: sharding.Piece, shadow: Any, grad: Any, variable: Any, lr: Any
+) -> Any:
+    shadow.assign(variable[piece.start : piece.stop])
+    return optimizer.update_step(tf.convert_to_tensor(grad)[piece.start : piece.stop], shadow, lr)
+
+
+def _assign_from_pieces(
+    distribution: Any, plan: Plan, variables: Sequence[Any], indices: Sequence[int]
+) -> None:
+    pieces = [plan.pieces[i] for i in indices]
+    mine = {}
+    for k, (variable, i) in enumerate(zip(variables, indices)):
+        if any(p.rank == plan.ordered.rank for p in plan.pieces[i]):
+            held = plan.shadows[i].value if i in plan.shadows else variable
+            mine[k] = tf.convert_to_tensor(held)
+    shapes = [tf.TensorShape(v.shape) for v in variables]
+    dtypes = [v.dtype for v in variables]
+    gathered = sharding.gather_pieces(plan.ordered, shapes, dtypes, pieces, mine)
+    for variable, value in zip(variables, gathered):
         if value is not None:
             distribution.extended.update(variable, _assign, args=(value,), group=False)
 
@@ -214,28 +319,33 @@ def _check_all_state_partitioned(optimizer: Any) -> None:
 
 
 def save_own_variables_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Keras 3 ``BaseOptimizer.save_own_variables``: every slot as its owner
-    holds it, streamed to every rank one at a time (the writer keeps it)."""
+    """Keras 3 ``BaseOptimizer.save_own_variables``: every slot whole, put
+    together from its pieces on every rank, one slot at a time (the writer keeps it)."""
 
     @functools.wraps(original)
     def save_own_variables(self: Any, store: Any) -> Any:
         if plan_of(self) is None:
             return original(self, store)
         for i, variable in enumerate(self.variables):
-            held = sharding.held(variable)
-            if held is None:
-                store[str(i)] = variable.numpy()
-                continue
-            mine = held.owner == held.ordered.rank
-            value = variable.numpy() if mine else np.zeros(variable.shape, variable.dtype)
-            store[str(i)] = held.ordered.broadcast(tf.constant(value), root=held.owner).numpy()
+            store[str(i)] = _whole(variable)
         return None
 
     return save_own_variables
 
 
+def _whole(variable: Any) -> np.ndarray:
+    """An optimizer variable's whole value, on every rank (collective for a sharded slot)."""
+    held = sharding.held(variable)
+    if held is None:
+        return np.asarray(variable.numpy())
+    shape, dtype = tf.TensorShape(held.shape), tf.as_dtype(variable.dtype)
+    mine = {0: tf.convert_to_tensor(variable.value)} if held.here else {}
+    (value,) = sharding.gather_pieces(held.ordered, [shape], [dtype], [held.pieces], mine)
+    return np.asarray(variable.numpy() if value is None else value)
+
+
 def load_own_variables_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Keras 3 ``BaseOptimizer.load_own_variables``: sets the slots this rank holds."""
+    """Keras 3 ``BaseOptimizer.load_own_variables``: sets the slots (and rows) this rank holds."""
 
     @functools.wraps(original)
     def load_own_variables(self: Any, store: Any) -> Any:
@@ -243,8 +353,10 @@ def load_own_variables_wrapper(original: Callable[..., Any]) -> Callable[..., An
             return original(self, store)  # (Keras warns about a mismatch)
         for i, variable in enumerate(self.variables):
             held = sharding.held(variable)
-            if held is None or held.owner == held.ordered.rank:
+            if held is None or held.whole_here:
                 variable.assign(store[str(i)])
+            elif held.here is not None:
+                variable.assign(store[str(i)][held.here.start : held.here.stop])
         return None
 
     return load_own_variables

@@ -9,11 +9,14 @@ at another world size):
 
 1. The save runs as any write point (``calls.py``), against
    ``<prefix>_mpi_strategy_parts/part-00000``: rank 0 writes it (everything but
-   the slots other ranks hold, which are recorded in its object graph with no
-   value), the others save in memory, noting the keys of the slots they hold.
-2. Each other rank holding slots writes them to its own ``part-<rank>``.
+   the slots other ranks hold and the slots held in pieces, which are recorded
+   in its object graph with no value), the others save in memory, noting the
+   keys of the slots they hold.
+2. Each rank writes the slots it holds that rank 0 did not write, the rows of
+   a slot held in pieces as a slice of the whole, to its own ``rows-<rank>``.
 3. The ranks meet (``PARTS``); rank 0 merges the parts into ``<prefix>``
-   (``MergeV2Checkpoints``: one index, a data file per part) and removes them.
+   (``MergeV2Checkpoints``: one index, a data file per part; the slices of a
+   slot become one tensor to every reader) and removes them.
 4. The ranks meet again: the checkpoint is complete when the call returns.
 
 The parts must be on one filesystem every rank sees: where ranks write to
@@ -96,23 +99,30 @@ def _sharded_ordered_comm(saver: Any, file_prefix: Any) -> OrderedComm | None:
     return None
 
 
-class _SlotsHeldHere(_tf_internal.ShardByTaskPolicy):
-    """TensorFlow's own sharding of a save, noting the checkpoint keys of the
-    slots this rank holds, and whether this rank writes the save itself."""
+class _WhoWrites(_tf_internal.ShardByTaskPolicy):
+    """TensorFlow's own sharding of a save, noting whether this rank writes
+    the save itself (the callback runs inside the write point)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.rank = rank
-        self.held: dict[str, Any] = {}
         self.writes = False
 
     def __call__(self, shardable_tensors: Any) -> Any:
-        self.writes = write_point.role() not in (write_point.IN_MEMORY,)
-        for tensor in shardable_tensors:
-            held = sharding.held(tensor.trackable)
-            if held is not None and held.owner == self.rank:
-                self.held[tensor.checkpoint_key] = tensor.trackable
+        self.writes = write_point.role() != write_point.IN_MEMORY
         return super().__call__(shardable_tensors)
+
+
+def _held_here(saver: Any, rank: int) -> dict[str, tuple[Any, str]]:
+    """The slots (and rows) this rank holds that rank 0's save does not
+    write: checkpoint key -> (slot, its slice spec; "" for a whole tensor)."""
+    held_here = {}
+    for obj, key in _tf_internal.value_keys(saver):
+        held = sharding.held(obj)
+        if held is None or held.here is None or (held.whole_here and rank == 0):
+            continue  # (rank 0's own save writes what rank 0 holds whole)
+        spec = "" if held.whole_here else sharding.slice_spec(held.shape, held.here)
+        held_here[key] = (obj, spec)
+    return held_here
 
 
 def _write_parts(
@@ -120,7 +130,7 @@ def _write_parts(
 ) -> None:
     rank = ordered.rank
     parts = prefix + _PARTS_SUFFIX
-    noted = _SlotsHeldHere(rank)
+    noted = _WhoWrites()
     options = copy.copy(options) if options is not None else tf.train.CheckpointOptions()
     if options.experimental_sharding_callback is not None:
         raise MPIStrategyError(
@@ -130,7 +140,8 @@ def _write_parts(
         )
     options.experimental_sharding_callback = noted
     save(saver, os.path.join(parts, "part-00000"), None, None, options)
-    _then_meet(ordered, prefix, lambda: _write_own_part(noted, parts, rank, prefix))
+    held = _held_here(saver, rank)
+    _then_meet(ordered, prefix, lambda: _write_own_part(noted.writes, held, parts, rank, prefix))
     _then_meet(ordered, prefix, lambda: _merge(parts, prefix) if rank == 0 else None)
 
 
@@ -144,20 +155,22 @@ def _then_meet(ordered: OrderedComm, prefix: str, action: Callable[[], None]) ->
     write_point.meet_after(ordered, _WHAT, prefix, "", PARTS)
 
 
-def _write_own_part(noted: _SlotsHeldHere, parts: str, rank: int, prefix: str) -> None:
-    """Ranks other than 0 write the slots they hold to their own part."""
-    if noted.writes and rank != 0:
+def _write_own_part(
+    writes: bool, held: dict[str, tuple[Any, str]], parts: str, rank: int, prefix: str
+) -> None:
+    """Each rank writes the slots (and rows) it holds that rank 0's save did not write."""
+    if writes and rank != 0:
         raise MPIStrategyError(
             f"mpi_strategy: rank {rank} writes its own copy of {prefix} (node-local "
             "disks?); a sharded optimizer's checkpoint needs one filesystem every rank sees."
         )
-    if noted.held and rank != 0:
-        keys = sorted(noted.held)
+    if held:
+        keys = sorted(held)
         tf.raw_ops.SaveV2(
-            prefix=os.path.join(parts, f"part-{rank:05d}"),
+            prefix=os.path.join(parts, f"rows-{rank:05d}"),
             tensor_names=keys,
-            shape_and_slices=[""] * len(keys),
-            tensors=[tf.convert_to_tensor(noted.held[k].value) for k in keys],
+            shape_and_slices=[held[k][1] for k in keys],
+            tensors=[tf.convert_to_tensor(held[k][0].value) for k in keys],
         )
 
 
