@@ -53,7 +53,7 @@ def _worker(model_names, steps, rounds):
                 optimizer,
             )
         times = {stage: [] for stage in STAGES}
-        for stage, (step, _) in variants.items():
+        for step, _ in variants.values():
             for _ in range(3):  # warm-up (traced)
                 step()
         for _ in range(rounds):
@@ -109,7 +109,7 @@ def _table(rows):
     """The Markdown table: per model and world size, the largest rank's figures."""
     lines = [
         "| model | ranks | optimizer state per rank, stage 0 | stage 1 | stage 1 / stage 0 "
-        "| bound (1/N + largest) | step ms, stage 0 | stage 1 | stage 1 / stage 0 |",
+        "| target (1/N + largest variable) | step ms, stage 0 | stage 1 | stage 1 / stage 0 |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     by_launch = {}

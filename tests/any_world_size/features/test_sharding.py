@@ -73,12 +73,12 @@ def sharded():
 
 def _model():
     """Three layers of different sizes, with fixed weights: at 2 to 4 ranks
-    the partition cuts the middle kernel in rows (64-byte rows: any cut)."""
+    the partition cuts the middle kernel in rows (of 48 bytes: cuts every 4 rows)."""
     model = keras.Sequential(
         [
             keras.Input((FEATURES,)),
             keras.layers.Dense(32, activation="tanh"),
-            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(12, activation="tanh"),
             keras.layers.Dense(OUTPUTS),
         ]
     )
