@@ -1,15 +1,17 @@
 """Sharded optimizer state (ZeRO stage 1): the mechanism, framework-free of Keras.
 
 With ``MPIStrategy(shard="optimizer")`` each rank keeps the optimizer's
-per-variable state (its *slots*: Adam's moments, momentum, ...) only for the
-variables it owns, updates only those variables from the all-reduced
-gradients, and the ranks then all-gather the updated variables. The pieces:
+per-variable state (its *slots*: Adam's moments, momentum, ...) only for its
+share of the variables (whole variables, and rows of the few that straddle a
+share's end), updates only that share from the all-reduced gradients, and the
+ranks then all-gather the updated variables. The pieces:
 
-* ``partition``: which rank owns which variable, whole variables balanced by
-  bytes, the same on every rank whatever order the variables come in;
-* ``SlotPlaceholder``: what stands for a slot this rank does not own (no data;
-  checkpoints record it and write nothing for it, restores skip it, reads raise);
-* ``gather_from_owners``: one all-gather of the owned variables' new values.
+* ``partition``: which rank holds which rows of which variable, in equal
+  bytes, the same on every rank (the variables come in the same order);
+* ``SlotPlaceholder``: what stands for a slot this rank holds none of (no
+  data; a sharded save records it and writes nothing for it, restores skip
+  it, reads raise), and ``rows_creator`` for a slot of some rows;
+* ``gather_pieces``: one all-gather of every rank's rows, put back together.
 
 ``features/sharding.py`` decides, per Keras optimizer, when each is used.
 """
@@ -62,7 +64,7 @@ def partition(units: Sequence[tuple[int, int]], size: int) -> list[tuple[Piece, 
 
     The units laid end to end are cut in ``size`` runs of (as nearly as whole
     rows allow) equal bytes, rank r holding the r-th: no rank holds more than
-    total/size + the bytes between two cuts. Only a unit that straddles a cut is split (at
+    total/size + the bytes between two possible cuts. Only a unit that straddles a cut is split (at
     most size - 1 of them); every other unit is held whole by one rank. Cuts
     fall on 64-byte boundaries of the unit: a piece's elements take the same
     SIMD lanes as in the whole, so an elementwise update of it gives the same
@@ -75,7 +77,12 @@ def partition(units: Sequence[tuple[int, int]], size: int) -> list[tuple[Piece, 
         cuts = [0]
         for rank in range(1, size):  # where rank's run starts, in this unit's rows
             row = (rank * total / size - offset) / per_row
-            cuts.append(min(rows, max(0, round(row / granule) * granule)))
+            inside = 0 < row < rows  # (else the unit is before or after that start)
+            cuts.append(
+                min(rows, round(row / granule) * granule)
+                if inside
+                else max(0, min(rows, math.ceil(row)))
+            )
         cuts.append(rows)
         pieces.append(
             tuple(Piece(r, cuts[r], cuts[r + 1]) for r in range(size) if cuts[r + 1] > cuts[r])
@@ -124,9 +131,7 @@ class SlotPlaceholder(_tf_internal.ResourceVariable):
         return f"<SlotPlaceholder {self.name} shape={self.full_shape} on {self.held_by}>"
 
     def _serialize_to_tensors(self) -> dict[str, Any]:
-        # A value of None: in the object graph, not in this rank's files.
-        spec = _tf_internal.SaveSpec(lambda: None, "", "", dtype=self.dtype, device=self.device)
-        return {_tf_internal.VARIABLE_VALUE_KEY: spec}
+        return _recorded_only(self.name, self.dtype, self.device)
 
     def _restore_from_tensors(self, restored_tensors: Any) -> Any:
         return tf.no_op()
@@ -144,8 +149,7 @@ def rows_creator(piece: Piece) -> Callable[..., Any]:
         dtype = tf.as_dtype(variable.dtype)
 
         def serialize() -> dict[str, Any]:
-            spec = _tf_internal.SaveSpec(lambda: None, "", "", dtype=dtype, device=variable.device)
-            return {_tf_internal.VARIABLE_VALUE_KEY: spec}
+            return _recorded_only(variable.name, dtype, variable.device)
 
         def restore(restored_tensors: Any) -> Any:
             whole = restored_tensors[_tf_internal.VARIABLE_VALUE_KEY]
@@ -156,6 +160,14 @@ def rows_creator(piece: Piece) -> Callable[..., Any]:
         return variable
 
     return create
+
+
+def _recorded_only(name: str, dtype: tf.DType, device: str) -> dict[str, Any]:
+    """A slot's checkpoint value: None (in the object graph, in no file of
+    this rank: in a save in parts, the ranks write their rows themselves)."""
+    del name
+    spec = _tf_internal.SaveSpec(lambda: None, "", "", dtype=dtype, device=device)
+    return {_tf_internal.VARIABLE_VALUE_KEY: spec}
 
 
 def slice_spec(full_shape: tf.TensorShape, piece: Piece) -> str:

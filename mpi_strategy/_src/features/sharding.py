@@ -12,12 +12,12 @@ and, through the methods wrapped here (``effects.py`` installs them):
   and updates the variables): sums them as before, updates only this rank's
   variables, then all-gathers the updated variables from their owners;
 * ``save_own_variables`` / ``load_own_variables`` (``.keras``, ``.weights.h5``,
-  Keras' ``BackupAndRestore``): each slot streamed from its owner to the
-  writer, one at a time; a load sets the slots this rank holds.
+  Keras' ``BackupAndRestore``): each slot gathered whole on every rank from
+  the ranks that hold it, one at a time; a load sets what this rank holds.
 
-The update is the replicated one, restricted to owned variables: every number
-equals the unsharded run's (same sums, same ops). An optimizer with other
-per-variable state (Adafactor's factored moments) raises on every rank.
+The update is the replicated one, restricted to this rank's share: every number
+equals the unsharded run's (same sums, same ops). Other optimizers than
+``SUPPORTED`` raise on every rank.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.distribute import sharding
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.distribute.strategy import MPIStrategy
+from mpi_strategy._src.features.saving import write_point
 
 # Slots every rank keeps whole: Keras updates the EMA copies of all variables
 # from the (gathered) weights, and the accumulators sum each rank's own
@@ -73,22 +74,20 @@ class Plan:
         return index
 
 
-def plan_of(optimizer: Any) -> Plan | None:
-    """The partition of a built optimizer of a sharding MPIStrategy of several
-    ranks (made at its first slot, the same on every rank), else None."""
+def plan_of(optimizer: Any, create: bool = False) -> Plan | None:
+    """The partition of an optimizer of a sharding MPIStrategy of several
+    ranks, made (``create``) at its first slot, the same on every rank; None
+    for any other optimizer, and one that made no slot (nothing to shard)."""
     plan = optimizer.__dict__.get(_PLAN)
-    if plan is not None:
+    if plan is not None or not create:
         return plan
     strategy = _sharding(optimizer)
     variables = list(getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_BUILT_WITH, ()))
     if strategy is None or not variables:
         return None
-    for method in _keras_internal.KERAS3_SHARDED_UPDATE:
-        _keras_internal.check_overridden(method)
+    _check_supported(optimizer)
     ordered = strategy.extended.ordered_comm
-    cuttable = _updates_elementwise(optimizer)
-    units = [_rows_and_bytes(v) if cuttable else _whole_unit(v) for v in variables]
-    pieces = tuple(sharding.partition(units, ordered.size))
+    pieces = tuple(sharding.partition([_rows_and_bytes(v) for v in variables], ordered.size))
     sharding.check_same_partition(ordered, pieces)
     shadows = {
         i: _shadow(strategy, v, piece)
@@ -113,16 +112,26 @@ def _sharding(optimizer: Any) -> MPIStrategy | None:
     return None
 
 
-def _updates_elementwise(optimizer: Any) -> bool:
-    """True for Keras' optimizers whose update of a variable is elementwise
-    (its rows can be updated apart); not a subclass, which may not be."""
+def _check_supported(optimizer: Any) -> None:
+    """Raises (on every rank: at its first slot) for an optimizer this does not
+    shard: one whose update of a variable is not elementwise (its rows could
+    not be updated apart: Lamb's trust ratio, Muon), or that keeps state
+    outside its slots (Adafactor's factored moments; ScheduleFreeAdamW sets its
+    slots from the weights), or a class of its own (which may do either)."""
+    for method in _keras_internal.KERAS3_SHARDED_UPDATE:
+        _keras_internal.check_overridden(method)
     kind = type(optimizer)
-    return kind.__module__.startswith("keras.") and kind.__name__ in _ELEMENTWISE
+    if not (kind.__module__.startswith("keras.") and kind.__name__ in SUPPORTED):
+        raise MPIStrategyError(
+            f"mpi_strategy: MPIStrategy(shard='optimizer') shards the state of Keras' "
+            f"{', '.join(SUPPORTED)}; not of {kind.__name__}, whose update may read a "
+            "whole variable or keep state outside its slots. Use MPIStrategy() without shard=."
+        )
 
 
-# Keras 3 optimizers whose update_step is elementwise (not Lamb's trust ratio,
-# Muon's orthogonalization, Adafactor's factored moments: whole variables there).
-_ELEMENTWISE = (
+# Keras 3 optimizers whose update_step is elementwise over a variable and its
+# slots, all made by add_variable_from_reference with a constant initializer.
+SUPPORTED = (
     "SGD",
     "Adam",
     "AdamW",
@@ -134,12 +143,6 @@ _ELEMENTWISE = (
     "Lion",
     "Ftrl",
 )
-
-
-def _whole_unit(variable: Any) -> tuple[int, int]:
-    """A variable as one row: never cut."""
-    rows, per_row = _rows_and_bytes(variable)
-    return 1, rows * per_row
 
 
 def _rows_and_bytes(variable: Any) -> tuple[int, int]:
@@ -175,7 +178,7 @@ def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callabl
             if _sharding(self) is not None:
                 sharding.mark_replicated(slot)
             return slot
-        plan = plan_of(self)
+        plan = plan_of(self, create=True)
         index = plan.index(reference_variable) if plan else None
         if plan is None or index is None:
             return original(self, reference_variable, name=name, initializer=initializer)
@@ -227,7 +230,6 @@ def backend_update_step_wrapper(original: Callable[..., Any]) -> Callable[..., A
         plan = plan_of(self)
         if plan is None:
             return original(self, grads, trainable_variables, learning_rate)
-        _check_all_state_partitioned(self)
         strategy = getattr(self, _keras_internal.KERAS3_OPTIMIZER_STRATEGY)
         indices = [plan.position(v) for v in trainable_variables]
         variables = [_tf_variable(v) for v in trainable_variables]
@@ -299,25 +301,6 @@ def _assign(variable: Any, value: tf.Tensor) -> Any:
     return variable.assign(value)
 
 
-def _check_all_state_partitioned(optimizer: Any) -> None:
-    """Raises on every rank if the optimizer keeps per-variable state made
-    otherwise than by ``add_variable_from_reference`` (it would go stale on the
-    ranks that do not update the variable). Scalars (the step count, the
-    learning rate, Nadam's momentum product) are the optimizer's own: every
-    rank updates them alike."""
-    unknown = [
-        v.path
-        for v in optimizer.variables
-        if len(v.shape) > 0 and sharding.held(v) is None and not sharding.is_replicated(v)
-    ]
-    if unknown:
-        raise MPIStrategyError(
-            f"mpi_strategy: MPIStrategy(shard='optimizer') cannot partition "
-            f"{type(optimizer).__name__}: it keeps per-variable state not made by "
-            f"add_variable_from_reference ({', '.join(unknown[:3])}). Use it without shard=."
-        )
-
-
 def save_own_variables_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """Keras 3 ``BaseOptimizer.save_own_variables``: every slot whole, put
     together from its pieces on every rank, one slot at a time (the writer keeps it)."""
@@ -326,11 +309,20 @@ def save_own_variables_wrapper(original: Callable[..., Any]) -> Callable[..., An
     def save_own_variables(self: Any, store: Any) -> Any:
         if plan_of(self) is None:
             return original(self, store)
+        if write_point.alone():
+            raise MPIStrategyError(_SAVED_ALONE)
         for i, variable in enumerate(self.variables):
             store[str(i)] = _whole(variable)
         return None
 
     return save_own_variables
+
+
+_SAVED_ALONE = (
+    "mpi_strategy: a save of a sharded optimizer's state (MPIStrategy(shard='optimizer')) "
+    "made on some ranks only: each rank holds its share, so every rank makes the save "
+    "call (one copy is written), as a one-process program does."
+)
 
 
 def _whole(variable: Any) -> np.ndarray:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -128,6 +127,8 @@ def _held_here(saver: Any, rank: int) -> dict[str, tuple[Any, str]]:
 def _write_parts(
     save: Callable[..., Any], saver: Any, ordered: OrderedComm, prefix: str, options: Any
 ) -> None:
+    if write_point.alone():
+        raise MPIStrategyError(f"mpi_strategy: {_WHAT} {prefix} is saved by every rank together.")
     rank = ordered.rank
     parts = prefix + _PARTS_SUFFIX
     noted = _WhoWrites()
@@ -146,13 +147,25 @@ def _write_parts(
 
 
 def _then_meet(ordered: OrderedComm, prefix: str, action: Callable[[], None]) -> None:
-    """Runs ``action``, then meets every rank: if it failed on any rank, every rank raises."""
+    """Runs ``action``, then meets every rank: if it failed on any rank, every
+    rank raises (and rank 0 removes the parts: a later save must not merge them)."""
     try:
         action()
     except Exception as exc:
-        write_point.meet_after(ordered, _WHAT, prefix, f"{type(exc).__name__}: {exc}", PARTS)
+        _meet(ordered, prefix, f"{type(exc).__name__}: {exc}")
         raise
-    write_point.meet_after(ordered, _WHAT, prefix, "", PARTS)
+    _meet(ordered, prefix, "")
+
+
+def _meet(ordered: OrderedComm, prefix: str, failure: str) -> None:
+    try:
+        write_point.meet_after(ordered, _WHAT, prefix, failure, PARTS)
+    except Exception:
+        failure = failure or "on another rank"
+        raise
+    finally:
+        if failure and ordered.rank == 0:
+            _remove(prefix + _PARTS_SUFFIX)
 
 
 def _write_own_part(
@@ -166,6 +179,7 @@ def _write_own_part(
         )
     if held:
         keys = sorted(held)
+        tf.io.gfile.makedirs(parts)  # (rank 0 may not have made it yet)
         tf.raw_ops.SaveV2(
             prefix=os.path.join(parts, f"rows-{rank:05d}"),
             tensor_names=keys,
@@ -177,11 +191,16 @@ def _write_own_part(
 def _merge(parts: str, prefix: str) -> None:
     """The parts in ``parts`` merged into the checkpoint ``prefix`` (then removed)."""
     written = sorted(
-        os.path.join(parts, name[: -len(".index")])
-        for name in os.listdir(parts)
+        f"{parts}/{name[: -len('.index')]}"
+        for name in tf.io.gfile.listdir(parts)
         if name.endswith(".index")
     )
     tf.raw_ops.MergeV2Checkpoints(
         checkpoint_prefixes=written, destination_prefix=prefix, delete_old_dirs=False
     )
-    shutil.rmtree(parts, ignore_errors=True)
+    _remove(parts)
+
+
+def _remove(parts: str) -> None:
+    if tf.io.gfile.exists(parts):
+        tf.io.gfile.rmtree(parts)
