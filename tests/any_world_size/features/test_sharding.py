@@ -330,7 +330,7 @@ def _assert_restores_the_checkpoint(strategy, path):
 def test_a_checkpoint_restores_at_another_world_size_and_in_one_process(sharded, shared_dir):
     """Saved sharded over every rank: restored sharded over all ranks but the
     last (a world one rank smaller), and in one process without a strategy;
-    saved there, restored over every rank again."""
+    saved there (by a CheckpointManager), restored over every rank again."""
     model, optimizer, _ = train(sharded, OPTIMIZERS["adam"])
     saved = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
         os.path.join(shared_dir, "all", "ckpt")
@@ -343,9 +343,9 @@ def test_a_checkpoint_restores_at_another_world_size_and_in_one_process(sharded,
         )
         _assert_restores_the_checkpoint(fewer, saved)
         model, optimizer, _ = train(fewer, OPTIMIZERS["adam"], restore=saved, start=STEPS, steps=1)
-        again = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
-            os.path.join(shared_dir, "fewer", "ckpt")
-        )
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+        manager = tf.train.CheckpointManager(checkpoint, os.path.join(shared_dir, "fewer"), 1)
+        again = manager.save()
     if RANK == 0:
         _assert_restores_the_checkpoint(tf.distribute.get_strategy(), saved)
     again = WORLD.bcast(again if RANK == 0 else None, root=0)
