@@ -28,6 +28,12 @@ split evenly over the replicas: the guide's validation batch of 1, and 17 and
 the guide's code runs without them). ``AveragePooling2D`` is given
 ``pool_size=2``, Keras 2's default: the guide's call without it raises
 TypeError in Keras 3.15, under MirroredStrategy and in one process too.
+``overwrite=False`` (the directory is new here): with ``overwrite=True`` every
+rank removes ``results_dir/mnist`` if it exists when that rank looks, so a
+rank that looks after another has created it removes the other's files
+(NotFoundError there; CI saw it twice in a row). One process never races with
+itself; mpi_strategy does not make ``exists`` then ``rmtree`` one step
+(docs/troubleshooting.md).
 Run with the working directory as argv[1] and as the current directory.
 """
 
@@ -84,7 +90,7 @@ tuner = keras_tuner.Hyperband(
     distribution_strategy=make_strategy(),
     directory="results_dir",
     project_name="mnist",
-    overwrite=True,
+    overwrite=False,  # (see the module's docstring)
 )
 
 (x_train, y_train), (x_test, y_test) = datasets.mnist.load_data()
