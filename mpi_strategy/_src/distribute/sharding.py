@@ -131,7 +131,7 @@ class SlotPlaceholder(_tf_internal.ResourceVariable):
         return f"<SlotPlaceholder {self.name} shape={self.full_shape} on {self.held_by}>"
 
     def _serialize_to_tensors(self) -> dict[str, Any]:
-        return _recorded_only(self.name, self.dtype, self.device)
+        return _recorded_only(self.dtype, self.device)
 
     def _restore_from_tensors(self, restored_tensors: Any) -> Any:
         return tf.no_op()
@@ -149,7 +149,7 @@ def rows_creator(piece: Piece) -> Callable[..., Any]:
         dtype = tf.as_dtype(variable.dtype)
 
         def serialize() -> dict[str, Any]:
-            return _recorded_only(variable.name, dtype, variable.device)
+            return _recorded_only(dtype, variable.device)
 
         def restore(restored_tensors: Any) -> Any:
             whole = restored_tensors[_tf_internal.VARIABLE_VALUE_KEY]
@@ -162,10 +162,9 @@ def rows_creator(piece: Piece) -> Callable[..., Any]:
     return create
 
 
-def _recorded_only(name: str, dtype: tf.DType, device: str) -> dict[str, Any]:
+def _recorded_only(dtype: tf.DType, device: str) -> dict[str, Any]:
     """A slot's checkpoint value: None (in the object graph, in no file of
     this rank: in a save in parts, the ranks write their rows themselves)."""
-    del name
     spec = _tf_internal.SaveSpec(lambda: None, "", "", dtype=dtype, device=device)
     return {_tf_internal.VARIABLE_VALUE_KEY: spec}
 
@@ -294,20 +293,6 @@ def mark_slot(slot: Any, held: Held) -> None:
     """Records that ``slot`` (an optimizer variable) is held by one rank alone."""
     object.__setattr__(slot, _HELD, held)
     PROCESS.of(ShardingState).slots_marked += 1
-
-
-def mark_replicated(slot: Any) -> None:
-    """Records that ``slot`` of a sharding strategy's optimizer is kept whole
-    by design (every rank updates it for every variable)."""
-    object.__setattr__(slot, _HELD, _REPLICATED)
-
-
-def is_replicated(obj: Any) -> bool:
-    """True for a slot marked by ``mark_replicated``."""
-    return getattr(obj, _HELD, None) is _REPLICATED
-
-
-_REPLICATED = "replicated"
 
 
 def any_slots_marked() -> bool:

@@ -174,10 +174,7 @@ def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callabl
         self: Any, reference_variable: Any, name: Any = None, initializer: Any = "zeros"
     ) -> Any:
         if name in _REPLICATED_SLOTS:
-            slot = original(self, reference_variable, name=name, initializer=initializer)
-            if _sharding(self) is not None:
-                sharding.mark_replicated(slot)
-            return slot
+            return original(self, reference_variable, name=name, initializer=initializer)
         plan = plan_of(self, create=True)
         index = plan.index(reference_variable) if plan else None
         if plan is None or index is None:
