@@ -1,18 +1,21 @@
-"""Sharded optimizer state (``MPIStrategy(shard="optimizer")``) against the replicated step.
+"""Sharded optimizer state and gradients (``MPIStrategy(shard=...)``) against the replicated step.
 
     python -m benchmarks.sharding                  # 1, 2, 3, 4 ranks; mlp and cnn
     python -m benchmarks.sharding --quick          # fewer steps
     mpiexec -n K python -m benchmarks.sharding --worker mlp,cnn   # one launch
 
 Per launch of K ranks and per model (Adam, the custom loop of train_step.py),
-both variants live in the same processes and are timed in alternating rounds
+the variants live in the same processes and are timed in alternating rounds
 (these VMs drift 2x between runs; a ratio measured side by side does not):
-stage 0 (``MPIStrategy()``) and stage 1 (``shard="optimizer"``). Each rank
-reports the bytes of optimizer state it holds (its slots' elements: a slot
-held by another rank is a placeholder of 0 elements) and the median step time.
-The target: optimizer state per rank <= 1/K of the replicated state plus the
-largest variable's slots, and stage 1's step within 5% of stage 0's.
-Stage 2 (``shard="gradients"``) is not built: no column.
+stage 0 (``MPIStrategy()``), stage 1 (``shard="optimizer"``) and stage 2
+(``shard="gradients"``). Each rank reports the bytes of optimizer state it
+holds (its slots' elements: a slot held by another rank is a placeholder of
+0 elements), the bytes of summed gradients it receives per step (stage 2: its
+share's, which are Adam's slot bytes / 2; else all of them) and the median
+step time. The targets: optimizer state per rank <= 1/K of the replicated
+state plus the largest variable's slots, and each stage's step within 5% of
+stage 0's. (The gradients each rank's backward pass makes are whole in every
+stage: TensorFlow computes them before any collective.)
 """
 
 import argparse
@@ -24,7 +27,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-STAGES = {"stage 0": None, "stage 1": "optimizer"}
+STAGES = {"stage 0": None, "stage 1": "optimizer", "stage 2": "gradients"}
 GLOBAL_BATCH = {"mlp": 256, "cnn": 128}
 
 
@@ -73,10 +76,16 @@ def _worker(model_names, steps, rounds):
                 int(np.prod(v.shape)) * 4 * 2 for v in variants["stage 0"][1].variables[2:]
             ),
         }
+        gradient_bytes = 4 * row["parameters"]
         for stage, (_, optimizer) in variants.items():
-            row[f"{stage} bytes"] = int(
+            held = int(
                 sum(v.value.shape.num_elements() * v.value.dtype.size for v in optimizer.variables)
             )
+            row[f"{stage} bytes"] = held
+            slots = sum(v.value.shape.num_elements() * 4 for v in optimizer.variables[2:])
+            row[f"{stage} gradient bytes"] = (
+                slots // 2 if STAGES[stage] == "gradients" else gradient_bytes
+            )  # (Adam's two slots per variable; after the step count and learning rate)
             row[f"{stage} ms"] = 1000 * statistics.median(times[stage])
         print(json.dumps(row), flush=True)
 
@@ -106,26 +115,30 @@ def _step(strategy, model, optimizer, x, y, global_batch):
 
 
 def _table(rows):
-    """The Markdown table: per model and world size, the largest rank's figures."""
+    """The Markdown table: per model, world size and stage, the largest rank's figures."""
     lines = [
-        "| model | ranks | optimizer state per rank, stage 0 | stage 1 | stage 1 / stage 0 "
-        "| target (1/N + largest variable) | step ms, stage 0 | stage 1 | stage 1 / stage 0 |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | ranks | stage | optimizer state per rank | / stage 0 "
+        "| target (1/N + largest variable) | summed gradients per rank "
+        "| step ms | / stage 0 |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     by_launch = {}
     for row in rows:
         by_launch.setdefault((row["model"], row["ranks"]), []).append(row)
     for (model, ranks), launch in sorted(by_launch.items()):
         full = max(r["stage 0 bytes"] for r in launch)
-        held = max(r["stage 1 bytes"] for r in launch)
         bound = full / ranks + launch[0]["largest_unit"]
         ms0 = statistics.median(r["stage 0 ms"] for r in launch)
-        ms1 = statistics.median(r["stage 1 ms"] for r in launch)
-        lines.append(
-            f"| {model} | {ranks} | {full / 2**20:.2f} MiB | {held / 2**20:.2f} MiB | "
-            f"{held / full:.2f} | {bound / 2**20:.2f} MiB{'' if held <= bound else ' (missed)'} | "
-            f"{ms0:.1f} | {ms1:.1f} | {ms1 / ms0:.3f} |"
-        )
+        for stage in STAGES:
+            held = max(r[f"{stage} bytes"] for r in launch)
+            grads = max(r[f"{stage} gradient bytes"] for r in launch)
+            ms = statistics.median(r[f"{stage} ms"] for r in launch)
+            target = f"{bound / 2**20:.2f} MiB{'' if held <= bound else ' (missed)'}"
+            lines.append(
+                f"| {model} | {ranks} | {stage} | {held / 2**20:.2f} MiB | {held / full:.2f} | "
+                f"{target if stage != 'stage 0' else ''} | {grads / 2**20:.2f} MiB | "
+                f"{ms:.1f} | {ms / ms0:.3f} |"
+            )
     return "\n".join(lines)
 
 
@@ -161,7 +174,7 @@ def main(argv=None):
         rows += got
         if error:
             failed.append(f"{ranks} ranks: {error}")
-    print(f"Sharded optimizer state (Adam), load average {load_average()}\n")
+    print(f"Sharded optimizer state and gradients (Adam), load average {load_average()}\n")
     print(_table(rows))
     for line in failed:
         print(f"\nFAILED {line}")

@@ -85,10 +85,11 @@ EFFECTS = (
         "Keras 3 `TFOptimizer.add_variable_from_reference`, `_backend_update_step`; "
         "`BaseOptimizer.save_own_variables`, `load_own_variables` "
         "(`_keras_internal.KERAS3_SHARDED_UPDATE`)",
-        "each rank keeps the slots of its share of the variables, updates those and "
+        "each rank keeps the slots of its share of the variables (and, sharding gradients, "
+        "receives the sum of their gradients only), updates those and "
         "gathers the others; Keras saves stream each slot from its owner; tf_keras's "
         "`_BaseOptimizer.build` raises (not sharded yet)",
-        'for an optimizer built in the scope of an MPIStrategy(shard="optimizer") of several ranks',
+        "for an optimizer built in the scope of an MPIStrategy(shard=...) of several ranks",
     ),
     Effect(
         "`TrackableSaver.save` (a write point, above)",

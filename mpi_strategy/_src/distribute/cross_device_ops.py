@@ -386,6 +386,13 @@ def _is_sparse(value: Any) -> bool:
     return isinstance(value, tf.IndexedSlices)
 
 
+def dense_local_sum(value: Any) -> tf.Tensor:
+    """``value`` (a per-replica value, or one replica's) summed over this
+    rank's replicas as ``all_reduce_values`` sums them before MPI
+    (``IndexedSlices`` made dense)."""
+    return _local_sum([tf.convert_to_tensor(v) for v in _local_values(value)])
+
+
 def _local_sum(parts: Sequence[Any]) -> tf.Tensor:
     if len(parts) == 1:
         return tf.convert_to_tensor(parts[0])

@@ -1,16 +1,20 @@
-"""Sharded optimizer state (ZeRO stage 1): the mechanism, framework-free of Keras.
+"""Sharded optimizer state and gradients (ZeRO stages 1 and 2): the mechanism,
+framework-free of Keras.
 
 With ``MPIStrategy(shard="optimizer")`` each rank keeps the optimizer's
 per-variable state (its *slots*: Adam's moments, momentum, ...) only for its
 share of the variables (whole variables, and rows of the few that straddle a
 share's end), updates only that share from the all-reduced gradients, and the
-ranks then all-gather the updated variables. The pieces:
+ranks then all-gather the updated variables. ``shard="gradients"`` sums the
+gradients with a reduce-scatter instead: each rank receives the sum of its
+share's rows only (``scatter_pieces``). The pieces:
 
 * ``partition``: which rank holds which rows of which variable, in equal
   bytes, the same on every rank (the variables come in the same order);
 * ``SlotPlaceholder``: what stands for a slot this rank holds none of (no
   data; a sharded save records it and writes nothing for it, restores skip
   it, reads raise), and ``rows_creator`` for a slot of some rows;
+* ``scatter_pieces``: one reduce-scatter of the gradients, each rank getting its rows;
 * ``gather_pieces``: one all-gather of every rank's rows, put back together.
 
 ``features/sharding.py`` decides, per Keras optimizer, when each is used.
@@ -32,18 +36,14 @@ import tensorflow as tf
 from mpi_strategy._src import _tf_internal
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.process import PROCESS
+from mpi_strategy._src.distribute.fusion import wire_dtype
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 
-MODES = (None, "optimizer")
+MODES = (None, "optimizer", "gradients")
 
 
 def resolve(shard: str | None) -> str | None:
     """``shard`` checked (the same on every rank: it is the program's)."""
-    if shard == "gradients":
-        raise MPIStrategyError(
-            "mpi_strategy: MPIStrategy(shard='gradients') (ZeRO stage 2) is not built yet; "
-            "shard='optimizer' partitions the optimizer's state (docs/sharding.md)."
-        )
     if shard not in MODES:
         raise MPIStrategyError(
             f"mpi_strategy: MPIStrategy(shard={shard!r}): expected one of {list(MODES)}."
@@ -122,7 +122,7 @@ class SlotPlaceholder(_tf_internal.ResourceVariable):
     def _refuse(self, *_: Any, **__: Any) -> Any:
         raise MPIStrategyError(
             f"mpi_strategy: optimizer slot {self.name} of shape {self.full_shape} lives on "
-            f"{self.held_by} (MPIStrategy(shard='optimizer')); this rank holds none of it."
+            f"{self.held_by} (MPIStrategy(shard=...)); this rank holds none of it."
         )
 
     numpy = read_value = value = assign = assign_add = assign_sub = _refuse
@@ -243,6 +243,49 @@ def gather_pieces(
             whole = tf.concat([rows[i, p.rank] for p in pieces[i]], 0)
             values.append(tf.reshape(whole, shape))
     return values
+
+
+def scatter_pieces(
+    ordered: OrderedComm,
+    values: Sequence[tf.Tensor],
+    pieces: Sequence[tuple[Piece, ...]],
+) -> dict[int, tf.Tensor]:
+    """This rank's rows of each of ``values`` (this rank's dense gradients),
+    summed over the ranks: {index: rows} for each value this rank holds a
+    piece of. One reduce-scatter per wire dtype: each rank's pieces laid end
+    to end, in the order given (the same on every rank), padded with zeros to
+    the longest rank's (at most the bytes between two cuts, for one dtype),
+    as FSDP pads its flat parameter, so that every rank receives one row."""
+    mine: dict[int, tf.Tensor] = {}
+    by_dtype: dict[tf.DType, list[int]] = {}
+    for i, value in enumerate(values):
+        by_dtype.setdefault(wire_dtype(value.dtype), []).append(i)
+    for dtype, members in by_dtype.items():
+        segments = [
+            [(i, p) for i in members for p in pieces[i] if p.rank == r] for r in range(ordered.size)
+        ]
+        lengths = [[_piece_elements(values[i].shape, p) for i, p in seg] for seg in segments]
+        longest = max(sum(n) for n in lengths)
+        flat = []
+        for seg, n in zip(segments, lengths):
+            flat += [tf.reshape(tf.cast(_rows(values[i], p), dtype), [-1]) for i, p in seg]
+            flat.append(tf.zeros([longest - sum(n)], dtype))
+        summed = ordered.reducescatter(tf.reshape(tf.concat(flat, 0), [ordered.size, longest]))
+        own, sizes = segments[ordered.rank], lengths[ordered.rank]
+        for (i, p), part in zip(own, tf.split(summed[0, : sum(sizes)], sizes) if own else []):
+            whole = p.start == 0 and p.stop == rows_of(values[i].shape)
+            shape = values[i].shape if whole else [p.stop - p.start, *values[i].shape[1:]]
+            mine[i] = tf.cast(tf.reshape(part, shape), values[i].dtype)
+    return mine
+
+
+def _rows(value: tf.Tensor, piece: Piece) -> tf.Tensor:
+    """``piece``'s rows of ``value`` (a scalar is one row)."""
+    return value[piece.start : piece.stop] if value.shape.rank else tf.reshape(value, [1])
+
+
+def _piece_elements(shape: tf.TensorShape, piece: Piece) -> int:
+    return (piece.stop - piece.start) * _row_elements(tf.TensorShape(shape))
 
 
 def rows_of(shape: tf.TensorShape) -> int:

@@ -130,7 +130,10 @@ class MPIStrategy(tf.distribute.Strategy):
         (Adam's moments, momentum, ...) for its share of the variables only,
         about 1/N of it, updates those variables and all-gathers them (ZeRO
         stage 1; Keras 3 optimizers; the same numbers as without it; see
-        docs/sharding.md). Every rank must pass the same.
+        docs/sharding.md). ``"gradients"``: that, and the gradients are
+        summed by a reduce-scatter, each rank receiving the sum of its share
+        only (ZeRO stage 2; exact sums, no ``compression``). Every rank must
+        pass the same.
     """
 
     # MirroredExtended reads this from its container strategy.
@@ -189,6 +192,12 @@ class MPIExtended(_tf_internal.MirroredExtended):
         # Checked before any MPI call or process-wide hook, alike on every rank.
         compression = compression_lib.resolve(compression)
         self._shard = sharding.resolve(shard)
+        if self._shard == "gradients" and type(compression) is not compression_lib.Exact:
+            raise MPIStrategyError(
+                "mpi_strategy: MPIStrategy(shard='gradients') sums the gradients exactly, in a "
+                f"reduce-scatter; compression={compression.name!r} is not combined with it. Use "
+                "shard='optimizer' (its all-reduce compresses) or no compression."
+            )
         comm = resolve_comm(comm)
         if communication_options is None:
             communication_options = tf.distribute.experimental.CommunicationOptions()

@@ -1,4 +1,5 @@
-"""Keras 3 optimizers under ``MPIStrategy(shard="optimizer")`` (ZeRO stage 1).
+"""Keras 3 optimizers under ``MPIStrategy(shard="optimizer")`` (ZeRO stage 1)
+and ``shard="gradients"`` (stage 2).
 
 An optimizer built in the scope of a sharding MPIStrategy of several ranks
 partitions the variables it was built with (``distribute/sharding.partition``)
@@ -9,8 +10,9 @@ and, through the methods wrapped here (``effects.py`` installs them):
   on the others; the EMA copies and gradient accumulators stay whole (every
   rank updates those for every variable: ``_REPLICATED_SLOTS``);
 * ``_backend_update_step`` (where Keras 3 sums the gradients over the replicas
-  and updates the variables): sums them as before, updates only this rank's
-  variables, then all-gathers the updated variables from their owners;
+  and updates the variables): sums them as before (stage 2: only this rank's
+  share of them, by a reduce-scatter), updates only this rank's variables,
+  then all-gathers the updated variables from their owners;
 * ``save_own_variables`` / ``load_own_variables`` (``.keras``, ``.weights.h5``,
   Keras' ``BackupAndRestore``): each slot gathered whole on every rank from
   the ranks that hold it, one at a time; a load sets what this rank holds.
@@ -33,7 +35,7 @@ import tensorflow as tf
 
 from mpi_strategy._src import _keras_internal
 from mpi_strategy._src.core.errors import MPIStrategyError
-from mpi_strategy._src.distribute import sharding
+from mpi_strategy._src.distribute import cross_device_ops, sharding
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.distribute.strategy import MPIStrategy
 from mpi_strategy._src.features.saving import write_point
@@ -105,7 +107,7 @@ def _sharding(optimizer: Any) -> MPIStrategy | None:
     strategy = getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_STRATEGY, None)
     if (
         isinstance(strategy, MPIStrategy)
-        and strategy.extended.shard == "optimizer"
+        and strategy.extended.shard
         and strategy.extended.comm.Get_size() > 1
     ):
         return strategy
@@ -123,7 +125,7 @@ def _check_supported(optimizer: Any) -> None:
     kind = type(optimizer)
     if not (kind.__module__.startswith("keras.") and kind.__name__ in SUPPORTED):
         raise MPIStrategyError(
-            f"mpi_strategy: MPIStrategy(shard='optimizer') shards the state of Keras' "
+            f"mpi_strategy: MPIStrategy(shard=...) shards the state of Keras' "
             f"{', '.join(SUPPORTED)}; not of {kind.__name__}, whose update may read a "
             "whole variable or keep state outside its slots. Use MPIStrategy() without shard=."
         )
@@ -210,15 +212,16 @@ def _check_constant(optimizer: Any, name: Any, initializer: Any) -> None:
     if type(_keras().initializers.get(initializer)).__name__ not in _CONSTANT_INITIALIZERS:
         raise MPIStrategyError(
             f"mpi_strategy: {type(optimizer).__name__} starts its slot {name!r} with "
-            f"{initializer!r}; MPIStrategy(shard='optimizer') shards slots that start at a "
+            f"{initializer!r}; MPIStrategy(shard=...) shards slots that start at a "
             "constant (each rank makes only its own, with no broadcast)."
         )
 
 
 def backend_update_step_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """Keras 3 ``TFOptimizer._backend_update_step``: the gradients summed over
-    every replica, this rank's variables (and rows) updated, the others
-    gathered from the ranks that hold them."""
+    every replica (all of them; under ``shard="gradients"`` only this rank's
+    share, by a reduce-scatter), this rank's variables (and rows) updated, the
+    others gathered from the ranks that hold them."""
 
     @functools.wraps(original)
     def _backend_update_step(
@@ -230,17 +233,22 @@ def backend_update_step_wrapper(original: Callable[..., Any]) -> Callable[..., A
         strategy = getattr(self, _keras_internal.KERAS3_OPTIMIZER_STRATEGY)
         indices = [plan.position(v) for v in trainable_variables]
         variables = [_tf_variable(v) for v in trainable_variables]
-        summed = self._all_reduce_sum_gradients(list(zip(grads, variables)))
-        whole, rows = [], []
-        for (grad, variable), i in zip(summed, indices):
-            here = sharding.Held(plan.pieces[i], plan.ordered, variable.shape)
-            if here.whole_here:
-                whole.append((grad, variable))
-            elif here.here is not None:
-                rows.append((grad, variable, plan.shadows[i], here.here))
         merge_call = tf.__internal__.distribute.interim.maybe_merge_call
-        merge_call(self._distributed_tf_update_step, strategy, whole, learning_rate)
-        merge_call(_update_rows, strategy, self, rows, learning_rate)
+        if strategy.extended.shard == "gradients":
+            merge_call(
+                _scatter_and_update, strategy, self, plan, grads, variables, indices, learning_rate
+            )
+        else:
+            summed = self._all_reduce_sum_gradients(list(zip(grads, variables)))
+            whole, rows = [], []
+            for (grad, variable), i in zip(summed, indices):
+                held = sharding.Held(plan.pieces[i], plan.ordered, variable.shape)
+                if held.whole_here:
+                    whole.append((grad, variable))
+                elif held.here is not None:
+                    rows.append((grad, True, variable, plan.shadows[i], held.here))
+            merge_call(self._distributed_tf_update_step, strategy, whole, learning_rate)
+            merge_call(_update_rows, strategy, self, rows, learning_rate)
         merge_call(_assign_from_pieces, strategy, plan, variables, indices)
 
     return _backend_update_step
@@ -250,19 +258,48 @@ def _tf_variable(variable: Any) -> Any:
     return variable.value if isinstance(variable, _keras().Variable) else variable
 
 
+def _scatter_and_update(
+    distribution: Any,
+    optimizer: Any,
+    plan: Plan,
+    grads: Sequence[Any],
+    variables: Sequence[Any],
+    indices: Sequence[int],
+    learning_rate: Any,
+) -> None:
+    """ZeRO stage 2: each rank receives the sum of its rows of the gradients
+    (one reduce-scatter) and updates them; a whole variable's gradient arrives
+    whole, a piece's as its rows."""
+    local = [cross_device_ops.dense_local_sum(g) for g in grads]
+    mine = sharding.scatter_pieces(plan.ordered, local, [plan.pieces[i] for i in indices])
+    whole, rows = [], []
+    for k, grad in mine.items():
+        i = indices[k]
+        held = sharding.Held(plan.pieces[i], plan.ordered, variables[k].shape)
+        if held.whole_here:
+            whole.append((grad, variables[k]))
+        else:
+            rows.append((grad, False, variables[k], plan.shadows[i], held.here))
+    optimizer._distributed_tf_update_step(distribution, whole, learning_rate)
+    _update_rows(distribution, optimizer, rows, learning_rate)
+
+
 def _update_rows(
     distribution: Any, optimizer: Any, rows: Sequence[Any], learning_rate: Any
 ) -> None:
     """The optimizer's own update of this rank's rows of variables held in
-    pieces: each shadow takes the rows of its variable and its gradient."""
+    pieces: each shadow takes the rows of its variable, and the update those
+    rows of its gradient (``whole_grad``; else the gradient is of the rows).
+    (Flags and pieces, not new objects per replica: a merge call would take
+    those for per-replica values.)"""
     indices = getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_INDICES)
-    for grad, variable, shadow, piece in rows:
+    for grad, whole_grad, variable, shadow, piece in rows:
         key = optimizer._var_key(shadow)
         indices[key] = indices[optimizer._var_key(variable)]  # (its slots: the rows')
         try:
             distribution.extended.update(
                 shadow.value,
-                functools.partial(_update_piece, optimizer, piece),
+                functools.partial(_update_piece, optimizer, piece, whole_grad),
                 args=(grad, variable, learning_rate),
                 group=False,
             )
@@ -271,10 +308,18 @@ def _update_rows(
 
 
 def _update_piece(
-    optimizer: Any, piece: sharding.Piece, shadow: Any, grad: Any, variable: Any, lr: Any
+    optimizer: Any,
+    piece: sharding.Piece,
+    whole_grad: bool,
+    shadow: Any,
+    grad: Any,
+    variable: Any,
+    lr: Any,
 ) -> Any:
     shadow.assign(variable[piece.start : piece.stop])
-    return optimizer.update_step(tf.convert_to_tensor(grad)[piece.start : piece.stop], shadow, lr)
+    grad = tf.convert_to_tensor(grad)
+    rows = grad[piece.start : piece.stop] if whole_grad else grad
+    return optimizer.update_step(rows, shadow, lr)
 
 
 def _assign_from_pieces(
@@ -316,7 +361,7 @@ def save_own_variables_wrapper(original: Callable[..., Any]) -> Callable[..., An
 
 
 _SAVED_ALONE = (
-    "mpi_strategy: a save of a sharded optimizer's state (MPIStrategy(shard='optimizer')) "
+    "mpi_strategy: a save of a sharded optimizer's state (MPIStrategy(shard=...)) "
     "made on some ranks only: each rank holds its share, so every rank makes the save "
     "call (one copy is written), as a one-process program does."
 )
