@@ -118,7 +118,7 @@ def _table(rows):
     """The Markdown table: per model, world size and stage, the largest rank's figures."""
     lines = [
         "| model | ranks | stage | optimizer state per rank | / stage 0 "
-        "| target (1/N + largest variable) | summed gradients per rank "
+        "| target (1/N + largest variable) | summed gradients per rank (computed) "
         "| step ms | / stage 0 |",
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]

@@ -9,7 +9,8 @@ for the others) under ``mpiexec -n 2`` with MPIStrategy, and once in a single
 process with MirroredStrategy on two devices. Every tutorial must run to its
 end under both, every rank must report rank 0's numbers, and those must be
 MirroredStrategy's. The programs of run_all.AT_OTHER_SHAPES run at 3 ranks and
-at 2 ranks x 2 devices too (against MirroredStrategy on 3 and 4 devices).
+at 2 ranks x 2 devices too (against MirroredStrategy on 3 and 4 devices), and
+those of run_all.SHARDED under MPIStrategy(shard="gradients") at 2 ranks.
 
 A launch in which a rank got stuck (in a collective that a failed rank never
 joins) is aborted by run_all.py; the tutorials after the stuck one then run in
@@ -32,14 +33,26 @@ from testing.launch import MPICH_OVERSUBSCRIBED_ENV, is_open_mpi, run_launcher, 
 TUTORIALS_DIR = program("tutorials")
 RUN_ALL = os.path.join(TUTORIALS_DIR, "run_all.py")
 sys.path.insert(0, TUTORIALS_DIR)
-from run_all import AT_OTHER_SHAPES, NOT_AS_MIRRORED, OWN_ON_EACH_RANK, TUTORIALS  # noqa: E402
+from run_all import (  # noqa: E402
+    AT_OTHER_SHAPES,
+    NOT_AS_MIRRORED,
+    OWN_ON_EACH_RANK,
+    SHARDED,
+    TUTORIALS,
+)
 
 # {shape: (ranks, devices per rank, programs)}
 SHAPES = {
     "2ranks": (2, 1, list(TUTORIALS)),
     "3ranks": (3, 1, list(AT_OTHER_SHAPES)),
     "2ranks-x-2devices": (2, 2, list(AT_OTHER_SHAPES)),
+    "2ranks-shard-gradients": (2, 1, list(SHARDED)),
 }
+# Shapes whose MPIStrategy takes another argument too (the user's other
+# one-line choice, TUTORIAL_SHARD), compared with the MirroredStrategy run of
+# the shape named: the same numbers are expected (at 2 ranks a sharded step
+# sums in the same order).
+OTHER_ARGUMENT = {"2ranks-shard-gradients": ("gradients", "2ranks")}
 # The tutorials import mpi_strategy from this checkout, wherever it is installed.
 ENV = {
     "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
@@ -76,7 +89,7 @@ def _read_results(workdir):
     return results
 
 
-def _run_mpi(workdir, keras, names, launches, ranks, local_devices):
+def _run_mpi(workdir, keras, names, launches, ranks, local_devices, shard=""):
     """Runs ``names`` under mpiexec, relaunching after a tutorial that got stuck.
 
     Returns {tutorial: {rank: result}} and {tutorial: why it has no result on every rank}.
@@ -96,11 +109,12 @@ def _run_mpi(workdir, keras, names, launches, ranks, local_devices):
                     **ENV_BESIDE,
                     TUTORIAL_STRATEGY="mpi",
                     TUTORIAL_LOCAL_DEVICES=str(local_devices),
+                    TUTORIAL_SHARD=shard,
                 ),
             )
         except AssertionError as timeout:  # run_mpiexec's TIMEOUT, with the output
             code, out = "timeout", str(timeout)
-        shape = f"{ranks}x{local_devices}"
+        shape = f"{ranks}x{local_devices}" + (f" shard={shard}" if shard else "")
         launches.append(
             (f"mpi {shape} {keras}: {' '.join(remaining)}", time.monotonic() - start, code)
         )
@@ -208,12 +222,17 @@ def test_tutorials_run_under_mpi_as_under_mirrored_strategy(tmp_path):
             for keras, names in _groups(programs).items():
                 workdir = str(tmp_path / shape / f"mpi-{keras}")
                 os.makedirs(workdir)
-                results, why = _run_mpi(workdir, keras, names, launches, ranks, local_devices)
+                shard = OTHER_ARGUMENT.get(shape, ("",))[0]
+                results, why = _run_mpi(
+                    workdir, keras, names, launches, ranks, local_devices, shard
+                )
                 mpi.update({(shape, n): results.get(n, {}) for n in names})
                 stuck.update({(shape, n): text for n, text in why.items()})
 
     def run_under_mirrored():
         for shape, (ranks, local_devices, programs) in SHAPES.items():
+            if shape in OTHER_ARGUMENT:
+                continue  # (compared with another shape's run)
             for keras, names in _groups(programs).items():
                 workdir = str(tmp_path / shape / f"mirrored-{keras}")
                 os.makedirs(workdir)
@@ -232,7 +251,8 @@ def test_tutorials_run_under_mpi_as_under_mirrored_strategy(tmp_path):
         table.append(f"== {shape}")
         for name in programs:
             key = (shape, name)
-            row, found = _compare(name, mirrored.get(key), mpi.get(key, {}), ranks, stuck.get(key))
+            reference = mirrored.get((OTHER_ARGUMENT.get(shape, ("", shape))[1], name))
+            row, found = _compare(name, reference, mpi.get(key, {}), ranks, stuck.get(key))
             table.extend(row)
             problems.extend(f"[{shape}] {problem}" for problem in found)
     problems += [

@@ -71,8 +71,12 @@ def partition(units: Sequence[tuple[int, int]], size: int) -> list[tuple[Piece, 
     bits. (A unit of 1 row is never cut.)
     """
     total = sum(rows * per_row for rows, per_row in units) or 1
-    pieces, offset = [], 0
+    pieces: list[tuple[Piece, ...]] = []
+    offset = 0
     for rows, per_row in units:
+        if rows * per_row == 0:  # (no bytes: held whole by the rank whose run it is in)
+            pieces.append((Piece(min(size - 1, offset * size // total), 0, rows),))
+            continue
         granule = _CUT_BYTES // math.gcd(_CUT_BYTES, per_row)  # rows between possible cuts
         cuts = [0]
         for rank in range(1, size):  # where rank's run starts, in this unit's rows
@@ -218,6 +222,7 @@ def gather_pieces(
     dtypes: Sequence[tf.DType],
     pieces: Sequence[tuple[Piece, ...]],
     mine: dict[int, tf.Tensor],
+    timeout: float | None = None,
 ) -> list[tf.Tensor | None]:
     """Every variable whole, on every rank, from its ``pieces``: one all-gather
     of each rank's pieces (``mine``: variable index -> this rank's rows;
@@ -225,7 +230,7 @@ def gather_pieces(
     kinds = sorted(set(dtypes), key=lambda d: d.name)
     flat = {d: [tf.reshape(mine[i], [-1]) for i in sorted(mine) if dtypes[i] == d] for d in kinds}
     sent = [tf.concat(flat[d], 0) if flat[d] else tf.zeros([0], d) for d in kinds]
-    gathered = dict(zip(kinds, ordered.allgather_many(sent)))
+    gathered = dict(zip(kinds, ordered.allgather_many(sent, timeout)))
     rows = {}  # (variable, rank) -> its rows
     for d in kinds:
         order = sorted(
@@ -248,15 +253,20 @@ def gather_pieces(
 def scatter_pieces(
     ordered: OrderedComm,
     values: Sequence[tf.Tensor],
+    shapes: Sequence[tf.TensorShape],
     pieces: Sequence[tuple[Piece, ...]],
+    timeout: float | None = None,
 ) -> dict[int, tf.Tensor]:
-    """This rank's rows of each of ``values`` (this rank's dense gradients),
-    summed over the ranks: {index: rows} for each value this rank holds a
-    piece of. One reduce-scatter per wire dtype: each rank's pieces laid end
+    """This rank's rows of each of ``values`` (this rank's dense gradients, of
+    its variables' ``shapes``), summed over the ranks: {index: rows} for each
+    value this rank holds a piece of. One reduce-scatter per wire dtype: each rank's pieces laid end
     to end, in the order given (the same on every rank), padded with zeros to
-    the longest rank's (at most the bytes between two cuts, for one dtype),
-    as FSDP pads its flat parameter, so that every rank receives one row."""
+    the longest rank's, as FSDP pads its flat parameter, so that every rank
+    receives one row. (Shares are equal in bytes over all dtypes: the padding
+    is small for one dtype and variables of many rows, and up to a variable's
+    size where one of few rows is not cut.) ``timeout``: as the strategy's."""
     mine: dict[int, tf.Tensor] = {}
+    values = [tf.reshape(v, s) for v, s in zip(values, shapes)]  # (static shapes)
     by_dtype: dict[tf.DType, list[int]] = {}
     for i, value in enumerate(values):
         by_dtype.setdefault(wire_dtype(value.dtype), []).append(i)
@@ -270,7 +280,8 @@ def scatter_pieces(
         for seg, n in zip(segments, lengths):
             flat += [tf.reshape(tf.cast(_rows(values[i], p), dtype), [-1]) for i, p in seg]
             flat.append(tf.zeros([longest - sum(n)], dtype))
-        summed = ordered.reducescatter(tf.reshape(tf.concat(flat, 0), [ordered.size, longest]))
+        packed = tf.reshape(tf.concat(flat, 0), [ordered.size, longest])
+        summed = ordered.reducescatter(packed, timeout=timeout)
         own, sizes = segments[ordered.rank], lengths[ordered.rank]
         for (i, p), part in zip(own, tf.split(summed[0, : sum(sizes)], sizes) if own else []):
             whole = p.start == 0 and p.stop == rows_of(values[i].shape)

@@ -132,8 +132,9 @@ class MPIStrategy(tf.distribute.Strategy):
         stage 1; Keras 3 optimizers; the same numbers as without it; see
         docs/sharding.md). ``"gradients"``: that, and the gradients are
         summed by a reduce-scatter, each rank receiving the sum of its share
-        only (ZeRO stage 2; exact sums, no ``compression``). Every rank must
-        pass the same.
+        only (ZeRO stage 2; exact sums, no ``compression``; the same numbers
+        at 2 ranks, beyond which MPI may add in another order). Every rank
+        must pass the same.
     """
 
     # MirroredExtended reads this from its container strategy.
@@ -311,8 +312,15 @@ class MPIExtended(_tf_internal.MirroredExtended):
 
     @property
     def shard(self) -> str | None:
-        """What each rank keeps only its share of: None, or "optimizer"."""
+        """What each rank keeps only its share of: None, "optimizer" (the
+        optimizer's state) or "gradients" (that and the summed gradients)."""
         return self._shard
+
+    @property
+    def timeout_seconds(self) -> float | None:
+        """``communication_options.timeout_seconds``: how long a rank waits in
+        a collective for the others before raising (None: forever)."""
+        return self._communication_options.timeout_seconds or None
 
     @property
     def _num_replicas_in_sync(self) -> int:

@@ -18,8 +18,10 @@ and, through the methods wrapped here (``effects.py`` installs them):
   the ranks that hold it, one at a time; a load sets what this rank holds.
 
 The update is the replicated one, restricted to this rank's share: every number
-equals the unsharded run's (same sums, same ops). Other optimizers than
-``SUPPORTED`` raise on every rank.
+equals the unsharded run's (same sums, same ops; stage 2's reduce-scatter may
+add three or more ranks' gradients in another order than the all-reduce).
+Other optimizers than ``SUPPORTED`` raise on every rank; an optimizer that
+makes no slot (SGD without momentum) is not sharded (all-reduced as usual).
 """
 
 from __future__ import annotations
@@ -271,7 +273,10 @@ def _scatter_and_update(
     (one reduce-scatter) and updates them; a whole variable's gradient arrives
     whole, a piece's as its rows."""
     local = [cross_device_ops.dense_local_sum(g) for g in grads]
-    mine = sharding.scatter_pieces(plan.ordered, local, [plan.pieces[i] for i in indices])
+    pieces = [plan.pieces[i] for i in indices]
+    timeout = distribution.extended.timeout_seconds
+    shapes = [tf.TensorShape(v.shape) for v in variables]
+    mine = sharding.scatter_pieces(plan.ordered, local, shapes, pieces, timeout)
     whole, rows = [], []
     for k, grad in mine.items():
         i = indices[k]
@@ -333,7 +338,8 @@ def _assign_from_pieces(
             mine[k] = tf.convert_to_tensor(held)
     shapes = [tf.TensorShape(v.shape) for v in variables]
     dtypes = [v.dtype for v in variables]
-    gathered = sharding.gather_pieces(plan.ordered, shapes, dtypes, pieces, mine)
+    timeout = distribution.extended.timeout_seconds
+    gathered = sharding.gather_pieces(plan.ordered, shapes, dtypes, pieces, mine, timeout)
     for variable, value in zip(variables, gathered):
         if value is not None:
             distribution.extended.update(variable, _assign, args=(value,), group=False)

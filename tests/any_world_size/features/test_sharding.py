@@ -200,6 +200,60 @@ def test_custom_loop_matches_the_unsharded_run_bit_for_bit(strategy, sharded, sc
     _assert_trained_alike(train_each(scattered, OPTIMIZERS), wanted, exact=SUMS_ALIKE)
 
 
+class _Mixed(keras.layers.Layer):
+    """Variables of several kinds: a scalar, float16, a kernel cut at 2 to 4
+    ranks, and one left out of the gradients (frozen after the build)."""
+
+    def build(self, _):
+        self.scale = self.add_weight(shape=(), name="scale")
+        self.half = self.add_weight(shape=(96,), dtype="float16", name="half")
+        self.kernel = self.add_weight(shape=(FEATURES, 96), name="kernel")
+        self.frozen = self.add_weight(shape=(96,), name="frozen")
+
+    def call(self, x):
+        h = tf.matmul(x, self.kernel) + tf.cast(self.half, tf.float32) + self.frozen
+        return self.scale * tf.reduce_sum(tf.tanh(h), axis=1, keepdims=True)
+
+
+def train_mixed(strategy):
+    """Adam on _Mixed's variables but the frozen one, given in reverse order."""
+    with strategy.scope():
+        layer = _Mixed()
+        model = keras.Sequential([keras.Input((FEATURES,)), layer])
+        model.set_weights(
+            [np.cos(np.arange(w.size) + 1.0).reshape(w.shape) for w in model.get_weights()]
+        )
+        optimizer = keras.optimizers.Adam(0.01)
+        optimizer.build(model.trainable_variables)
+    trained = [layer.kernel, layer.half, layer.scale]
+    data = tf.data.Dataset.from_tensor_slices((X, Y[:, :1])).batch(BATCH).take(STEPS)
+
+    @tf.function
+    def step(x, y):
+        def replica(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(model(x) - y)) / BATCH
+            optimizer.apply_gradients(zip(tape.gradient(loss, trained), trained))
+
+        strategy.run(replica, (x, y))
+
+    history = []
+    for x, y in strategy.experimental_distribute_dataset(data):
+        step(x, y)
+        history.append([np.asarray(w, np.float64) for w in model.get_weights()])
+    return {"mixed": (model, optimizer, history)}
+
+
+@partitioned
+def test_gradients_of_several_dtypes_a_scalar_and_a_subset_are_scattered_right(strategy, scattered):
+    """shard="gradients" groups float16 with float32 gradients (summed in
+    float32), sends a scalar as a row, and takes gradients for some of the
+    variables, in another order than they were built in."""
+    want = train_mixed(strategy)
+    _assert_trained_alike(train_mixed(scattered), want, exact=SUMS_ALIKE)
+    np.testing.assert_array_equal(want["mixed"][2][-1][3], want["mixed"][2][0][3])  # (frozen)
+
+
 @partitioned
 def test_100_adam_steps_match_mirrored_strategy_within_1e_6(sharded, scattered):
     """The replicas' sums are associated otherwise than MirroredStrategy's in
@@ -287,6 +341,7 @@ def test_the_partition_cuts_few_variables_and_balances_bytes_within_a_row():
     rng = np.random.default_rng(3)
     for size in (1, 2, 3, 4, 7):
         units = [(int(rng.integers(1, 300)), int(rng.integers(1, 64))) for _ in range(23)]
+        units[5:5] = [(0, 16), (3, 0)]  # (variables of no elements: held whole)
         pieces = sharding.partition(units, size)
         load = np.zeros(size)
         for (rows, per_row), cut in zip(units, pieces, strict=True):
@@ -296,7 +351,7 @@ def test_the_partition_cuts_few_variables_and_balances_bytes_within_a_row():
             for piece in cut:
                 load[piece.rank] += (piece.stop - piece.start) * per_row
         assert sum(len(cut) > 1 for cut in pieces) <= size - 1
-        granule = max(b * 64 // math.gcd(64, b) for _, b in units)  # (cuts at 64 bytes)
+        granule = max(b * 64 // math.gcd(64, b) for _, b in units if b)  # (cuts at 64 bytes)
         assert load.max() <= sum(r * b for r, b in units) / size + granule
 
 

@@ -11,7 +11,8 @@ site/en/guide/distributed_training.ipynb) call for call, with two changes only:
    with ``TUTORIAL_STRATEGY=mirrored`` it is ``tf.distribute.MirroredStrategy``
    over ``TUTORIAL_WORKERS`` (default 2) times as many logical CPUs of this one
    process (which this module creates before anything else uses TensorFlow),
-   reducing with ``ReductionToOneDevice``.
+   reducing with ``ReductionToOneDevice``. ``TUTORIAL_SHARD`` is
+   MPIStrategy's ``shard=`` argument (the user's other one-line choice).
    The multi-worker tutorials read the cluster from ``TF_CONFIG`` and
    ``strategy.cluster_resolver``; here the cluster is the MPI job (or, under
    MirroredStrategy, the workers its replicas stand for, this process
@@ -44,6 +45,8 @@ import random
 import types
 
 STRATEGY = os.environ.get("TUTORIAL_STRATEGY", "mirrored")
+# MPIStrategy's shard= argument (TUTORIAL_SHARD=gradients: ZeRO stage 2).
+SHARD = os.environ.get("TUTORIAL_SHARD", "")
 if STRATEGY not in ("mpi", "mirrored"):
     raise ValueError(f"TUTORIAL_STRATEGY must be 'mpi' or 'mirrored', not {STRATEGY!r}")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -119,7 +122,9 @@ def make_strategy():
     if STRATEGY == "mpi":
         import mpi_strategy
 
-        return mpi_strategy.MPIStrategy(devices=DEVICES if LOCAL_DEVICES > 1 else None)
+        return mpi_strategy.MPIStrategy(
+            devices=DEVICES if LOCAL_DEVICES > 1 else None, shard=SHARD or None
+        )
     # On CPUs MirroredStrategy reduces with TensorFlow's collective ops by
     # default, whose instance keys start at the same number in every
     # MirroredStrategy: the second strategy of a process (the tutorials make

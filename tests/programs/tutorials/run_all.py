@@ -66,6 +66,16 @@ AT_OTHER_SHAPES = (
     "summary_custom_loop_guide",
 )
 
+# The programs that also run under MPIStrategy(shard="gradients") at 2 ranks
+# (ZeRO stage 2, whose sums there are the unsharded ones): Keras 3 fit with
+# Adam and RMSprop, callbacks, ModelCheckpoint, and saves loaded back in and
+# out of a strategy (about 20 s of CI time).
+SHARDED = (
+    "keras_tutorial",
+    "keras_guide_distributed_training",
+    "keras_guide_callbacks",
+)
+
 # Each program's deviations from its source beyond the strategy line (its
 # docstring says them in full): one line each, with the reason.
 DEVIATIONS = {
