@@ -193,11 +193,21 @@ SUMS_ALIKE = SIZE == 2
 @partitioned
 def test_custom_loop_matches_the_unsharded_run_bit_for_bit(strategy, sharded, scattered):
     """Every optimizer of OPTIMIZERS, each on its own model, in one step
-    function: sharded state bit for bit; reduce-scattered gradients too at 2
-    ranks (the same sums), within 1e-6 otherwise."""
+    function: sharded state bit for bit; reduce-scattered gradients (for
+    SCATTERED_OPTIMIZERS) too at 2 ranks (the same sums), within 1e-6 otherwise."""
     wanted = train_each(strategy, OPTIMIZERS)
     _assert_trained_alike(train_each(sharded, OPTIMIZERS), wanted)
-    _assert_trained_alike(train_each(scattered, OPTIMIZERS), wanted, exact=SUMS_ALIKE)
+    scattered_wanted = {name: wanted[name] for name in SCATTERED_OPTIMIZERS}
+    scattered_optimizers = {name: OPTIMIZERS[name] for name in SCATTERED_OPTIMIZERS}
+    _assert_trained_alike(
+        train_each(scattered, scattered_optimizers), scattered_wanted, exact=SUMS_ALIKE
+    )
+
+
+# shard="gradients" changes the sums, not the updates (the same code as
+# shard="optimizer"'s): a few optimizers, of one, two and three slots, with
+# global norm clipping (CI time).
+SCATTERED_OPTIMIZERS = ("sgd_momentum", "adam_global_clipnorm", "rmsprop_momentum")
 
 
 class _Mixed(keras.layers.Layer):
