@@ -33,7 +33,8 @@ tf.config.threading.set_intra_op_parallelism_threads(1)  # bitwise-reproducible 
 STEPS, CKPT_EVERY, EPOCHS, BATCHES_PER_EPOCH = (int(a) for a in sys.argv[2:6])
 WORKDIR = sys.argv[1]
 GLOBAL_BATCH = 8
-strategy = mpi_strategy.MPIStrategy()
+# RESUME_JOB_SHARD: MPIStrategy's shard= (the checkpoints are then written in parts).
+strategy = mpi_strategy.MPIStrategy(shard=os.environ.get("RESUME_JOB_SHARD") or None)
 rank = MPI.COMM_WORLD.Get_rank()
 
 

@@ -11,7 +11,9 @@ Relaunched, the job resumes there and ends with the weights of an
 uninterrupted run, bit for bit. Last (3 ranks), two notices (rank 0 and the
 last rank) in a job that cannot finish its step (the last rank stalls) are
 followed by SIGKILL of every rank after a grace period, as a scheduler does:
-the last periodic checkpoint is complete and the job resumes from it.
+the last periodic checkpoint is complete and the job resumes from it. The
+3-rank chain runs under MPIStrategy(shard="gradients"): each rank writes its
+share of the optimizer's state in every save.
 
 At 2 ranks the chain also runs Keras fit: tf_keras ``BackupAndRestore(
 save_before_preemption=True)`` (SIGTERM on the last rank: every rank saves
@@ -64,10 +66,18 @@ CHAINS = {
 }
 
 
+# The 3-rank chain shards the optimizer's state and gradients (its checkpoints
+# are written in parts by the ranks that hold them).
+SHARD = {3: "gradients"}
+
+
 def _launch(ranks, workdir, runs, each_line=None):
     argv = [sys.executable, program("resume_job.py"), str(workdir), str(STEPS), str(CKPT_EVERY)]
     argv += [str(EPOCHS), str(BATCHES_PER_EPOCH), *(":".join(run) for run in runs)]
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+        "RESUME_JOB_SHARD": SHARD.get(ranks, ""),
+    }
     started = time.time()
     code, out = run_mpiexec(ranks, argv, silence=180, env=env, each_line=each_line)
     print(f"launch {runs}: exit {code}, {time.time() - started:.1f} s")
