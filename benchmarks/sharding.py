@@ -2,6 +2,7 @@
 
     python -m benchmarks.sharding                  # 1, 2, 3, 4 ranks; mlp and cnn
     python -m benchmarks.sharding --quick          # fewer steps
+    python -m benchmarks.sharding --memory --ranks 2,4   # peak resident memory
     mpiexec -n K python -m benchmarks.sharding --worker mlp,cnn   # one launch
 
 Per launch of K ranks and per model (Adam, the custom loop of train_step.py),
@@ -16,6 +17,12 @@ step time. The targets: optimizer state per rank <= 1/K of the replicated
 state plus the largest variable's slots, and each stage's step within 5% of
 stage 0's. (The gradients each rank's backward pass makes are whole in every
 stage: TensorFlow computes them before any collective.)
+
+``--memory``: the peak resident memory of each rank (``ru_maxrss``) training
+a wide MLP (4 layers of 2048 x 2048, 16.8M parameters: 64 MiB of weights,
+128 MiB of Adam's slots) for a few steps, one launch per stage (a process's
+peak is its own), beside the same process built without training (TensorFlow
+and the model alone).
 """
 
 import argparse
@@ -90,6 +97,67 @@ def _worker(model_names, steps, rounds):
         print(json.dumps(row), flush=True)
 
 
+WIDE = (2048, 4)  # units, layers of the --memory MLP
+
+
+def _memory_worker(shard, steps):
+    """One rank's peak resident memory (MiB) training the wide MLP ``steps`` steps."""
+    import resource
+
+    import numpy as np
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    import keras
+
+    import mpi_strategy
+
+    strategy = mpi_strategy.MPIStrategy(shard=shard)
+    units, layers = WIDE
+    batch = 64 // strategy.num_replicas_in_sync
+    rng = np.random.default_rng(strategy.extended.rank)
+    x = tf.constant(rng.normal(size=(batch, units)).astype(np.float32))
+    y = tf.constant(rng.integers(0, 10, batch))
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((units,))]
+            + [keras.layers.Dense(units, activation="relu") for _ in range(layers - 1)]
+            + [keras.layers.Dense(10)]
+        )
+        optimizer = keras.optimizers.Adam(1e-4)
+    step = _step(strategy, model, optimizer, x, y, 64)
+    for _ in range(steps):
+        step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"shard": shard or "", "rank": strategy.extended.rank, "peak": peak}))
+
+
+def _memory_table(world_sizes, steps):
+    """Peak resident memory per rank for each stage, one launch each."""
+    from benchmarks.launching import launch_together, python_module
+    from testing.launch import mpiexec_command, mpiexec_env
+
+    lines = [
+        "| ranks | stage | peak resident memory per rank | / stage 0 |",
+        "| ---: | --- | ---: | ---: |",
+    ]
+    failed = []
+    for ranks in world_sizes:
+        base = None
+        for stage, shard in STAGES.items():
+            command = mpiexec_command(ranks) + python_module(
+                "benchmarks.sharding", "--memory-worker", shard or "none", "--steps", str(steps)
+            )
+            rows, error = launch_together([(command, mpiexec_env(ranks))])
+            if error:
+                failed.append(f"{ranks} ranks, {stage}: {error}")
+                continue
+            peak = max(r["peak"] for r in rows)
+            base = base or peak
+            lines.append(f"| {ranks} | {stage} | {peak:.0f} MiB | {peak / base:.3f} |")
+    return "\n".join(lines), failed
+
+
 def _step(strategy, model, optimizer, x, y, global_batch):
     import tensorflow as tf
 
@@ -145,6 +213,8 @@ def _table(rows):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", metavar="MODELS", help="run in this launch (under mpiexec)")
+    parser.add_argument("--memory", action="store_true", help="peak resident memory per stage")
+    parser.add_argument("--memory-worker", metavar="SHARD", help="(under mpiexec) one stage")
     parser.add_argument("--ranks", default="1,2,3,4", help="world sizes (default 1,2,3,4)")
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--quick", action="store_true", help="few steps: does it run here?")
@@ -155,7 +225,18 @@ def main(argv=None):
     if args.worker:
         _worker(args.worker.split(","), steps, 1 if args.quick else args.rounds)
         return 0
+    if args.memory_worker:
+        _memory_worker(None if args.memory_worker == "none" else args.memory_worker, steps)
+        return 0
     from benchmarks import load_average
+
+    if args.memory:
+        table, failed = _memory_table([int(k) for k in args.ranks.split(",")], steps)
+        print(f"Peak resident memory, wide MLP (Adam), load average {load_average()}\n")
+        print(table)
+        for line in failed:
+            print(f"\nFAILED {line}")
+        return 1 if failed else 0
     from benchmarks.launching import launch_together, python_module
     from testing.launch import mpiexec_command, mpiexec_env
 

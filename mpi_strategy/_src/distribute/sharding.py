@@ -231,22 +231,30 @@ def gather_pieces(
     flat = {d: [tf.reshape(mine[i], [-1]) for i in sorted(mine) if dtypes[i] == d] for d in kinds}
     sent = [tf.concat(flat[d], 0) if flat[d] else tf.zeros([0], d) for d in kinds]
     gathered = dict(zip(kinds, ordered.allgather_many(sent, timeout)))
-    rows = {}  # (variable, rank) -> its rows
+    values: list[tf.Tensor | None] = [None] * len(shapes)
     for d in kinds:
-        order = sorted(
-            ((p.rank, i, p) for i in range(len(shapes)) if dtypes[i] == d for p in pieces[i]),
-            key=lambda t: (t[0], t[1]),
-        )
-        sizes = [(p.stop - p.start) * _row_elements(shapes[i]) for _, i, p in order]
-        for (rank, i, p), part in zip(order, tf.split(gathered[d], sizes)):
-            rows[i, rank] = tf.reshape(part, [p.stop - p.start, *shapes[i][1:]])
-    values: list[tf.Tensor | None] = []
-    for i, shape in enumerate(shapes):
-        if pieces[i] == (Piece(ordered.rank, 0, pieces[i][-1].stop),):
-            values.append(None)
+        members = [i for i in range(len(shapes)) if dtypes[i] == d]
+        order = sorted(((p.rank, i, p) for i in members for p in pieces[i]), key=lambda t: t[:2])
+        if [(i, p) for _, i, p in order] == [(i, p) for i in members for p in pieces[i]]:
+            # In build order every variable is one run of what was gathered:
+            # a slice of it, no copy.
+            starts = np.cumsum(
+                [0] + [_row_elements(shapes[i]) * rows_of(shapes[i]) for i in members]
+            )
+            runs = {i: (int(starts[k]), int(starts[k + 1])) for k, i in enumerate(members)}
+            for i in members:
+                values[i] = tf.reshape(gathered[d][runs[i][0] : runs[i][1]], shapes[i])
         else:
-            whole = tf.concat([rows[i, p.rank] for p in pieces[i]], 0)
-            values.append(tf.reshape(whole, shape))
+            sizes = [(p.stop - p.start) * _row_elements(shapes[i]) for _, i, p in order]
+            rows = {}  # (variable, rank) -> its rows
+            for (rank, i, p), part in zip(order, tf.split(gathered[d], sizes)):
+                rows[i, rank] = tf.reshape(part, [p.stop - p.start, *shapes[i][1:]])
+            for i in members:
+                whole = tf.concat([rows[i, p.rank] for p in pieces[i]], 0)
+                values[i] = tf.reshape(whole, shapes[i])
+    for i in range(len(shapes)):
+        if pieces[i] == (Piece(ordered.rank, 0, pieces[i][-1].stop),):
+            values[i] = None  # (held whole here)
     return values
 
 

@@ -330,6 +330,8 @@ def _update_piece(
 def _assign_from_pieces(
     distribution: Any, plan: Plan, variables: Sequence[Any], indices: Sequence[int]
 ) -> None:
+    # In build order, each variable is one run of what the all-gather brings.
+    variables, indices = zip(*sorted(zip(variables, indices), key=lambda pair: pair[1]))
     pieces = [plan.pieces[i] for i in indices]
     mine = {}
     for k, (variable, i) in enumerate(zip(variables, indices)):
