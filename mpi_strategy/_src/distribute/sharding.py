@@ -226,7 +226,9 @@ def gather_pieces(
 ) -> list[tf.Tensor | None]:
     """Every variable whole, on every rank, from its ``pieces``: one all-gather
     of each rank's pieces (``mine``: variable index -> this rank's rows;
-    flattened, one tensor per dtype). None for a variable this rank holds whole."""
+    flattened, one tensor per dtype). None for a variable this rank holds whole.
+    The variables come in the order the partition was made in (or a subset of
+    it), so that rank r's pieces all come before rank r + 1's."""
     kinds = sorted(set(dtypes), key=lambda d: d.name)
     flat = {d: [tf.reshape(mine[i], [-1]) for i in sorted(mine) if dtypes[i] == d] for d in kinds}
     sent = [tf.concat(flat[d], 0) if flat[d] else tf.zeros([0], d) for d in kinds]
@@ -234,24 +236,11 @@ def gather_pieces(
     values: list[tf.Tensor | None] = [None] * len(shapes)
     for d in kinds:
         members = [i for i in range(len(shapes)) if dtypes[i] == d]
-        order = sorted(((p.rank, i, p) for i in members for p in pieces[i]), key=lambda t: t[:2])
-        if [(i, p) for _, i, p in order] == [(i, p) for i in members for p in pieces[i]]:
-            # In build order every variable is one run of what was gathered:
-            # a slice of it, no copy.
-            starts = np.cumsum(
-                [0] + [_row_elements(shapes[i]) * rows_of(shapes[i]) for i in members]
-            )
-            runs = {i: (int(starts[k]), int(starts[k + 1])) for k, i in enumerate(members)}
-            for i in members:
-                values[i] = tf.reshape(gathered[d][runs[i][0] : runs[i][1]], shapes[i])
-        else:
-            sizes = [(p.stop - p.start) * _row_elements(shapes[i]) for _, i, p in order]
-            rows = {}  # (variable, rank) -> its rows
-            for (rank, i, p), part in zip(order, tf.split(gathered[d], sizes)):
-                rows[i, rank] = tf.reshape(part, [p.stop - p.start, *shapes[i][1:]])
-            for i in members:
-                whole = tf.concat([rows[i, p.rank] for p in pieces[i]], 0)
-                values[i] = tf.reshape(whole, shapes[i])
+        sizes = [_row_elements(shapes[i]) * rows_of(shapes[i]) for i in members]
+        # The ranks' runs in rank order are the variables in build order:
+        # each variable is a slice of what was gathered, no copy.
+        for i, start, size in zip(members, np.cumsum([0, *sizes]), sizes):
+            values[i] = tf.reshape(gathered[d][int(start) : int(start + size)], shapes[i])
     for i in range(len(shapes)):
         if pieces[i] == (Piece(ordered.rank, 0, pieces[i][-1].stop),):
             values[i] = None  # (held whole here)
