@@ -19,10 +19,9 @@ stage 0's. (The gradients each rank's backward pass makes are whole in every
 stage: TensorFlow computes them before any collective.)
 
 ``--memory``: the peak resident memory of each rank (``ru_maxrss``) training
-a wide MLP (4 layers of 2048 x 2048, 16.8M parameters: 64 MiB of weights,
-128 MiB of Adam's slots) for a few steps, one launch per stage (a process's
-peak is its own), beside the same process built without training (TensorFlow
-and the model alone).
+a wide MLP (3 layers of 2048 x 2048 and one of 2048 x 10, 12.6M parameters:
+48 MiB of weights, 96 MiB of Adam's slots) for a few steps, one launch per
+stage (a process's peak is its own).
 """
 
 import argparse
@@ -153,8 +152,9 @@ def _memory_table(world_sizes, steps):
                 failed.append(f"{ranks} ranks, {stage}: {error}")
                 continue
             peak = max(r["peak"] for r in rows)
-            base = base or peak
-            lines.append(f"| {ranks} | {stage} | {peak:.0f} MiB | {peak / base:.3f} |")
+            base = peak if shard is None else base
+            ratio = f"{peak / base:.3f}" if base else ""
+            lines.append(f"| {ranks} | {stage} | {peak:.0f} MiB | {ratio} |")
     return "\n".join(lines), failed
 
 

@@ -236,6 +236,7 @@ def gather_pieces(
     values: list[tf.Tensor | None] = [None] * len(shapes)
     for d in kinds:
         members = [i for i in range(len(shapes)) if dtypes[i] == d]
+        _check_in_partition_order([pieces[i] for i in members])
         sizes = [_row_elements(shapes[i]) * rows_of(shapes[i]) for i in members]
         # The ranks' runs in rank order are the variables in build order:
         # each variable is a slice of what was gathered, no copy.
@@ -294,6 +295,18 @@ def _rows(value: tf.Tensor, piece: Piece) -> tf.Tensor:
 
 def _piece_elements(shape: tf.TensorShape, piece: Piece) -> int:
     return (piece.stop - piece.start) * _row_elements(tf.TensorShape(shape))
+
+
+def _check_in_partition_order(pieces: Sequence[tuple[Piece, ...]]) -> None:
+    """Raises unless rank r's pieces all come before rank r + 1's (e.g. a
+    variable given twice to one apply_gradients)."""
+    ranks = [p.rank for cut in pieces for p in cut]
+    if ranks != sorted(ranks):
+        raise MPIStrategyError(
+            "mpi_strategy: a sharded optimizer's step got its variables out of the order it "
+            "was built with, or one variable twice (in one apply_gradients call): each "
+            "variable once, please."
+        )
 
 
 def rows_of(shape: tf.TensorShape) -> int:

@@ -361,6 +361,9 @@ def test_the_partition_cuts_few_variables_and_balances_bytes_within_a_row():
             for piece in cut:
                 load[piece.rank] += (piece.stop - piece.start) * per_row
         assert sum(len(cut) > 1 for cut in pieces) <= size - 1
+        ranks = [p.rank for cut in pieces for p in cut]  # (what the all-gather relies on)
+        assert ranks == sorted(ranks)
+        assert len(pieces[5]) == len(pieces[6]) == 1
         granule = max(b * 64 // math.gcd(64, b) for _, b in units if b)  # (cuts at 64 bytes)
         assert load.max() <= sum(r * b for r, b in units) / size + granule
 
@@ -483,6 +486,27 @@ def test_an_optimizer_it_does_not_shard_raises_on_every_rank(sharded):
     for other in (keras.optimizers.Adafactor, keras.optimizers.Lamb):
         with pytest.raises(MPIStrategyError, match=f"not of {other.__name__}"):
             train(sharded, lambda: other(0.01), steps=1)  # noqa: B023 (called at once)
+
+
+@partitioned
+def test_a_variable_given_twice_to_one_step_raises_on_every_rank(sharded):
+    """(Its pieces would come twice from each rank: the all-gather would put
+    them back wrong.)"""
+    with sharded.scope():
+        model = _model()
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+        optimizer.build(model.trainable_variables)
+    kernel = model.trainable_variables[2]  # (cut in rows)
+
+    @tf.function(autograph=False)  # (autograph would wrap the error)
+    def step():
+        def replica():
+            optimizer.apply_gradients([(tf.ones_like(kernel), kernel)] * 2)
+
+        sharded.run(replica)
+
+    with pytest.raises(MPIStrategyError, match="one variable twice"):
+        step()
 
 
 @partitioned
