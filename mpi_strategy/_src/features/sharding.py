@@ -242,13 +242,8 @@ def backend_update_step_wrapper(original: Callable[..., Any]) -> Callable[..., A
             )
         else:
             summed = self._all_reduce_sum_gradients(list(zip(grads, variables)))
-            whole, rows = [], []
-            for (grad, variable), i in zip(summed, indices):
-                held = sharding.Held(plan.pieces[i], plan.ordered, variable.shape)
-                if held.whole_here:
-                    whole.append((grad, variable))
-                elif held.here is not None:
-                    rows.append((grad, True, variable, plan.shadows[i], held.here))
+            held_here = [(k, grad) for k, (grad, _) in enumerate(summed)]
+            whole, rows = _whole_and_rows(plan, held_here, variables, indices, whole_grads=True)
             merge_call(self._distributed_tf_update_step, strategy, whole, learning_rate)
             merge_call(_update_rows, strategy, self, rows, learning_rate)
         merge_call(_assign_from_pieces, strategy, plan, variables, indices)
@@ -277,16 +272,31 @@ def _scatter_and_update(
     timeout = distribution.extended.timeout_seconds
     shapes = [tf.TensorShape(v.shape) for v in variables]
     mine = sharding.scatter_pieces(plan.ordered, local, shapes, pieces, timeout)
+    whole, rows = _whole_and_rows(plan, mine.items(), variables, indices, whole_grads=False)
+    optimizer._distributed_tf_update_step(distribution, whole, learning_rate)
+    _update_rows(distribution, optimizer, rows, learning_rate)
+
+
+def _whole_and_rows(
+    plan: Plan,
+    grads: Any,
+    variables: Sequence[Any],
+    indices: Sequence[int],
+    whole_grads: bool,
+) -> tuple[list[Any], list[Any]]:
+    """Of ``grads`` ((position, gradient) pairs), the (gradient, variable)
+    pairs of the variables this rank holds whole, and the ``_update_rows``
+    entries of those it holds rows of (``whole_grads``: the gradient is of the
+    whole variable, else of the rows); variables held elsewhere are left out."""
     whole, rows = [], []
-    for k, grad in mine.items():
+    for k, grad in grads:
         i = indices[k]
         held = sharding.Held(plan.pieces[i], plan.ordered, variables[k].shape)
         if held.whole_here:
             whole.append((grad, variables[k]))
-        else:
-            rows.append((grad, False, variables[k], plan.shadows[i], held.here))
-    optimizer._distributed_tf_update_step(distribution, whole, learning_rate)
-    _update_rows(distribution, optimizer, rows, learning_rate)
+        elif held.here is not None:
+            rows.append((grad, whole_grads, variables[k], plan.shadows[i], held.here))
+    return whole, rows
 
 
 def _update_rows(
