@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from mpi_testing import REPO, program
-from testing.launch import MPICH_OVERSUBSCRIBED_ENV, is_open_mpi, run_launcher, run_mpiexec
+from testing.launch import run_launcher, run_mpiexec
 
 TUTORIALS_DIR = program("tutorials")
 RUN_ALL = os.path.join(TUTORIALS_DIR, "run_all.py")
@@ -58,9 +58,6 @@ ENV = {
     "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
     "TF_CPP_MIN_LOG_LEVEL": "2",
 }
-# The MPI launches run beside the MirroredStrategy process: more processes
-# than cores.
-ENV_BESIDE = {} if is_open_mpi() else MPICH_OVERSUBSCRIBED_ENV
 # Seconds without output after which a launch counts as stuck.
 LAUNCH_SILENCE = float(os.environ.get("TUTORIAL_LAUNCH_TIMEOUT", "300"))
 # MPIStrategy with one device per rank splits every batch as MirroredStrategy
@@ -106,7 +103,6 @@ def _run_mpi(workdir, keras, names, launches, ranks, local_devices, shard=""):
                 silence=LAUNCH_SILENCE,
                 env=dict(
                     ENV,
-                    **ENV_BESIDE,
                     TUTORIAL_STRATEGY="mpi",
                     TUTORIAL_LOCAL_DEVICES=str(local_devices),
                     TUTORIAL_SHARD=shard,
@@ -240,8 +236,9 @@ def test_tutorials_run_under_mpi_as_under_mirrored_strategy(tmp_path):
                 mirrored.update({(shape, n): results.get(n) for n in names})
 
     # Side by side, every shape in one test: the references' one process
-    # mostly leaves a core to the ranks (which then outnumber the cores:
-    # ENV_BESIDE), and either side's last launches fill the other's tail.
+    # mostly leaves a core to the ranks (which then outnumber the cores: they
+    # wait politely, tests/conftest.py), and either side's last launches fill
+    # the other's tail.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         for done in [pool.submit(run_under_mpi), pool.submit(run_under_mirrored)]:
             done.result()
