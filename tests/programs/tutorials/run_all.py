@@ -8,10 +8,13 @@ NAME defaults to every tutorial written for that Keras (one process has one
 ``tf.keras``; see _tutorial.py). For each tutorial, every rank writes
 WORKDIR/results/NAME.rank<R>.json: ``ok``, the ``error`` (traceback) if it
 raised, the ``numbers`` it reported and its ``seconds``, and prints a summary
-line. An exception ends that tutorial only. The ranks then wait for each other
-(``TUTORIAL_SYNC_TIMEOUT`` seconds, default 20): a rank still inside the
-tutorial by then is stuck (in a collective that a failed rank will never
-join), and the job is aborted; the result files say which tutorials finished.
+line. An exception ends that tutorial only. The ranks then wait for each other:
+as long as it takes, unless this rank's tutorial raised. Then the others may
+be stuck in a collective this rank will never join, so after
+``TUTORIAL_SYNC_TIMEOUT`` seconds (default 20) it aborts the job; the result
+files say which tutorials finished. (A rank that is merely slow is never cut
+short; a launch in which every rank waits is ended by its caller's silence
+limit.)
 Run by tests/integration/test_tutorials.py.
 """
 
@@ -229,7 +232,7 @@ def main():
             "the driver started)",
             flush=True,
         )
-        sync.wait(name, "end")
+        sync.wait(name, "end", failed=error is not None)
     print(
         f"TUTORIALS DONE [{_tutorial.STRATEGY}, rank {_tutorial.RANK}] "
         f"{time.monotonic() - launched:.1f} s after the driver started",
@@ -238,8 +241,9 @@ def main():
 
 
 class _Sync:
-    """All ranks meet here, or the job ends: a rank that does not come within
-    ``timeout`` seconds is stuck (in a collective whose partner failed)."""
+    """All ranks meet here. A rank whose tutorial failed ends the job if the
+    others do not come within ``timeout`` seconds: they are stuck in a
+    collective it left."""
 
     def __init__(self, timeout):
         self.timeout = timeout
@@ -250,17 +254,17 @@ class _Sync:
             if MPI.COMM_WORLD.Get_size() > 1:
                 self.comm = MPI.COMM_WORLD.Dup()  # apart from every strategy's messages
 
-    def wait(self, name, where):
+    def wait(self, name, where, failed=False):
         if self.comm is None:
             return
         request = self.comm.Ibarrier()
         deadline = time.monotonic() + self.timeout
         while not request.Test():
-            if time.monotonic() > deadline:
+            if failed and time.monotonic() > deadline:
                 print(
-                    f"TUTORIAL {name}: rank {self.comm.Get_rank()} waited {self.timeout:g} s "
-                    f"at the {where} of the tutorial for the other ranks (stuck, e.g. in a "
-                    "collective a failed rank never joins); aborting the job",
+                    f"TUTORIAL {name}: rank {self.comm.Get_rank()} failed it and waited "
+                    f"{self.timeout:g} s at its {where} for the other ranks (stuck in a "
+                    "collective this rank left); aborting the job",
                     flush=True,
                 )
                 sys.stderr.flush()
