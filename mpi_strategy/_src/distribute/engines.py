@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from mpi_strategy._src.core import timeline as timeline_lib
 from mpi_strategy._src.core.collectives import ArrayCollectives
+from mpi_strategy._src.native import engine as native_engine
 from mpi_strategy._src.native.engine import NativeComm
 
 Shapes = tuple[tuple[int, ...], ...]
@@ -174,9 +175,7 @@ class NativeEngine:
 
     name = "native"
     device = HOST
-    KINDS = frozenset(
-        {"allreduce", "allgather", "broadcast", "alltoall", "alltoallv", "reducescatter", "barrier"}
-    )
+    KINDS = frozenset(kind for kind, _ in native_engine.OP_TYPES)
 
     def __init__(self, kernels: NativeComm) -> None:
         self._kernels = kernels

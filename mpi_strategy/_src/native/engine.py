@@ -41,6 +41,17 @@ from mpi_strategy._src.core.protocol import Event, Field, Op, Shape, State, as_i
 from mpi_strategy._src.native import build
 
 KERNELS_ENV = "MPI_STRATEGY_KERNELS"
+# Each collective kind the kernels run and its op type, in the order of
+# OrderedComm's methods (the native engine's kind table and the tests' list).
+OP_TYPES = (
+    ("allreduce", "MpiStrategyAllreduce"),
+    ("broadcast", "MpiStrategyBroadcast"),
+    ("allgather", "MpiStrategyAllgather"),
+    ("alltoall", "MpiStrategyAlltoall"),
+    ("reducescatter", "MpiStrategyReducescatter"),
+    ("barrier", "MpiStrategyBarrier"),
+    ("alltoallv", "MpiStrategyAlltoallv"),
+)
 _UNKNOWN = 2  # TF_Code of an exception that is not a tf.errors class
 
 
