@@ -5,19 +5,23 @@ engines, in order, which runs it: the first whose ``runs`` says yes. Every
 engine sends the same bytes in the same MPI calls (``core/protocol.py``), so
 ranks whose collectives ran on different engines still meet correctly.
 
-- ``NativeEngine``: compiled kernels (``native/``), for the all-reduce, the
-  broadcast, the all-gather, the alltoall (equal splits and with splits),
-  the reduce-scatter and the barrier, when their shapes are known when
-  tracing; also with a ``timeout_seconds`` (polled and the missing ranks
-  announced in C: ``kernels/timeouts.cc``) and while a timeline records
-  (timestamps taken in C, the events written by Python: ``Event.TRACE``).
-- ``PythonEngine``: a ``tf.numpy_function`` calling ``core/collectives.py``;
-  runs everything.
+- ``NativeEngine``: compiled kernels (``native/``), for each collective
+  that declares one (``core/collective_ops/<name>.py``, its ``native``),
+  when its shapes are known when tracing and its
+  ``NativeOp.runs`` says so; also with a ``timeout_seconds`` (polled and the
+  missing ranks announced in C: ``kernels/timeouts.cc``) and while a
+  timeline records (timestamps taken in C, the events written by Python:
+  ``Event.TRACE``).
+- ``PythonEngine``: a ``tf.numpy_function`` calling the collective's
+  ``numpy`` (``core/collective_ops/``); runs everything.
 
-What only the Python engine runs, and why (the one place this is listed):
-shapes unknown when tracing (a kernel's agreement record, its static part,
-is fixed when tracing); an alltoall without one row per rank and a
-reduce-scatter of a scalar (the Python engine raises their errors).
+Both dispatch from that registry (``collective_ops.get``: a kind no module
+declares raises ``ValueError`` on both), once per op, when tracing. What
+only the Python engine runs, and why: shapes unknown when tracing (a
+kernel's agreement record, its static part, is fixed when tracing), and
+what a collective's ``NativeOp.runs`` refuses (e.g. an alltoall without one
+row per rank, a reduce-scatter of a scalar: the Python engine raises their
+errors).
 
 An engine declares the device its ops run on (``device``): a GPU engine would
 be a third implementation of ``Engine`` whose kernels are registered for
@@ -54,7 +58,7 @@ class Collective:
     concatenation. ``timeout``: seconds (None: wait as long as MPI does).
     """
 
-    kind: str  # allreduce, allgather, broadcast, alltoall, alltoallv, reducescatter, barrier
+    kind: str  # its module's name in core/collective_ops (CollectiveOp.name), e.g. "allreduce"
     name: str  # the op's name, e.g. "MPIAllreduce"
     output_dtypes: tuple[tf.DType, ...]
     op: str = "sum"
