@@ -16,7 +16,7 @@ import tensorflow as tf
 from mpi4py import MPI
 
 import mpi_strategy
-from mpi_strategy._src.core import protocol
+from mpi_strategy._src.core import collective_ops, protocol
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 
 LOCAL_DEVICES = int(os.environ.get("MPI_STRATEGY_TEST_LOCAL_DEVICES", "1"))
@@ -50,15 +50,7 @@ def saved_weights(path):
 
 # The native kernels' op types, in the order of OrderedComm's methods (named
 # like the numpy engine's ops: MPIAllreduce, ...).
-NATIVE_OP_TYPES = (
-    "MpiStrategyAllreduce",
-    "MpiStrategyBroadcast",
-    "MpiStrategyAllgather",
-    "MpiStrategyAlltoall",
-    "MpiStrategyReducescatter",
-    "MpiStrategyBarrier",
-    "MpiStrategyAlltoallv",
-)
+NATIVE_OP_TYPES = tuple(c.native.type for c in collective_ops.ALL if c.native is not None)
 # The op types of an MPI collective in a graph: the numpy engine's
 # tf.numpy_function, or a native kernel.
 MPI_OP_TYPES = frozenset({"PyFunc", *NATIVE_OP_TYPES})

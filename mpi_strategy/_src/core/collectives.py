@@ -14,7 +14,6 @@ the communicator and returns the same values on every rank.
 
 from __future__ import annotations
 
-import math
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -23,24 +22,25 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from mpi_strategy._src.core import agreement as agreement_lib, buffers, kinds, protocol, ulfm
+from mpi_strategy._src.core import (
+    agreement as agreement_lib,
+    buffers,
+    collective_ops,
+    protocol,
+    ulfm,
+)
 from mpi_strategy._src.core.agreement import ErrorClass
+from mpi_strategy._src.core.collective_ops.allreduce import REDUCTIONS
+from mpi_strategy._src.core.collective_ops.base import Call
+from mpi_strategy._src.core.collective_ops.reducescatter import row_split
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
-from mpi_strategy._src.core.kinds import ALLTOALLV, BARRIER, REDUCESCATTER
 from mpi_strategy._src.core.process import PROCESS
-from mpi_strategy._src.core.protocol import Field, Shape, State
+from mpi_strategy._src.core.protocol import Shape, State
 from mpi_strategy._src.core.timeline import Timeline
-from mpi_strategy._src.core.wire import as_bytes, concat_bytes, split_gathered
 
 Arrays = Sequence[np.ndarray]
 
-# op name -> (the agreement's kind, the MPI op, the numpy ufunc for carried data)
-REDUCTIONS: dict[str, tuple[kinds.Kind, MPI.Op, np.ufunc]] = {
-    "sum": (kinds.ALLREDUCE, MPI.SUM, np.add),
-    "min": (kinds.ALLREDUCE_MIN, MPI.MIN, np.minimum),
-    "max": (kinds.ALLREDUCE_MAX, MPI.MAX, np.maximum),
-    "product": (kinds.ALLREDUCE_PRODUCT, MPI.PROD, np.multiply),
-}
+__all__ = ["REDUCTIONS", "ArrayCollectives", "Arrays", "row_split"]
 
 
 class ArrayCollectives:
@@ -95,6 +95,16 @@ class ArrayCollectives:
 
         return call
 
+    @property
+    def pool(self) -> buffers.BufferPool:
+        """The pooled buffers the all-reduce packs into (``buffers.py``)."""
+        return self._pool
+
+    @property
+    def mismatch_error(self) -> ErrorClass:
+        """What a disagreement raises (eager)."""
+        return self._mismatch_error
+
     def retire(self, error: Callable[[], Exception]) -> None:
         """Makes every later collective raise ``error()`` (a communicator that
         a recovery replaced, still reachable from code traced before it)."""
@@ -145,7 +155,7 @@ class ArrayCollectives:
         comm = (self.number, f"MPI communicator {self.number} ({self.size} ranks)")
         trace.collective(name, comm, *times, nbytes, tensors, self.agreement.seq)
 
-    # -- collectives -----------------------------------------------------------
+    # -- collectives (each declared in collective_ops/; named here for direct callers) --
     def allreduce(
         self,
         arrays: Arrays,
@@ -154,96 +164,28 @@ class ArrayCollectives:
         timeout: float | None = None,
         token: int = 0,
     ) -> list[np.ndarray]:
-        """Reduces each of ``arrays`` (one dtype) element-wise over the ranks
-        with ``op`` (one of ``REDUCTIONS``), in one MPI call.
-
-        The arrays are copied into one pooled buffer, reduced in place and
-        handed back as aligned views of it (``buffers.py``). ``shapes``: the
-        shapes the agreement compares when the caller concatenated the
-        tensors (default: the arrays' own). Small data is reduced from the
-        agreement's records, in rank order, alike on every rank.
-        """
-        kind, mpi_op, ufunc = REDUCTIONS[op]
-        buffer, outs = buffers.pack(arrays, self._pool)
-        _, carried = self.agreement.agree_carrying(
-            as_bytes(buffer),
-            kind,
-            arrays[0].dtype,
-            shapes or [a.shape for a in arrays],
-            timeout=timeout,
-            token=token,
-        )
-        if carried is None:
-            self.comm.Allreduce(MPI.IN_PLACE, buffer, op=mpi_op)
-        else:
-            every_rank = carried[:, : buffer.nbytes].view(buffer.dtype)
-            buffer[...] = every_rank[0]
-            for row in every_rank[1:]:
-                ufunc(buffer, row, out=buffer)
-        return outs
+        """``collective_ops.allreduce.numpy``: each of ``arrays`` (one dtype)
+        reduced with ``op``; ``shapes``: what the agreement compares (default:
+        the arrays' own)."""
+        known = tuple(tuple(s) for s in shapes) if shapes else None
+        p = Call(op=op, shapes=known, timeout=timeout)
+        return collective_ops.ALLREDUCE.numpy(self, p, token, *arrays)
 
     def reducescatter(
-        self,
-        array: np.ndarray,
-        op: str = "sum",
-        timeout: float | None = None,
-        token: int = 0,
+        self, array: np.ndarray, op: str = "sum", timeout: float | None = None, token: int = 0
     ) -> np.ndarray:
-        """``array`` (one shape and dtype on every rank, at least one axis)
-        reduced with ``op``, then cut along axis 0: rank ``r`` gets the rows
-        ``row_split(len(array), size)[r]`` (the first ``len % size`` ranks one
-        row more than the others)."""
-        _, mpi_op, _ = REDUCTIONS[op]
-        array = np.ascontiguousarray(array)
-        self.agreement.agree(
-            REDUCESCATTER, array.dtype, [array.shape], timeout=timeout, tag=op, token=token
-        )
-        row = math.prod(array.shape[1:])
-        counts = [n * row for n in row_split(array.shape[0], self.size)]
-        rows = row_split(array.shape[0], self.size)[self.rank]
-        out = buffers.aligned_empty((rows, *array.shape[1:]), array.dtype)
-        if array.size:
-            self.comm.Reduce_scatter(array.reshape(-1), out.reshape(-1), counts, op=mpi_op)
-        return out
+        """``collective_ops.reducescatter.numpy``: this rank's rows of the reduction."""
+        p = Call(op=op, timeout=timeout)
+        return collective_ops.REDUCESCATTER.numpy(self, p, token, array)[0]
 
     def alltoallv(
         self, array: np.ndarray, splits: Sequence[int], timeout: float | None = None, token: int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Rows ``splits[0]`` of ``array`` go to rank 0, the next ``splits[1]``
-        to rank 1, and so on; returns (the rows received, in rank order; how
-        many came from each rank). Shapes beyond axis 0 and the dtype must agree."""
-        array = np.ascontiguousarray(array)
-        counts = np.asarray(splits, np.int64).reshape(-1)
-        rows = array.shape[0] if array.ndim else -1
-        # This rank's counts, then whether they fit its array: every rank
-        # learns every rank's, so bad counts raise on every rank.
-        sent = np.zeros(self.size + 1, np.int64)
-        sent[: min(self.size, counts.size)] = counts[: self.size]
-        sent[-1] = counts.size == self.size and bool((counts >= 0).all()) and counts.sum() == rows
-        _, carried = self.agreement.agree_carrying(
-            as_bytes(sent),
-            ALLTOALLV,
-            array.dtype,
-            [array.shape[1:]],
-            timeout=timeout,
-            token=token,
-        )
-        if carried is None:
-            matrix = np.empty((self.size, self.size + 1), np.int64)
-            self.comm.Allgather([sent, MPI.INT64_T], [matrix, MPI.INT64_T])
-        else:
-            matrix = carried[:, : sent.nbytes].copy().view(np.int64)
-        if not matrix[:, -1].all():
-            raise self.bad_splits(matrix, counts.tolist(), rows)
-        matrix = matrix[:, :-1]
-        sent = sent[:-1]
-        received = matrix[:, self.rank].copy()
-        row_bytes = math.prod(array.shape[1:]) * array.itemsize
-        out = buffers.aligned_empty((int(received.sum()), *array.shape[1:]), array.dtype)
-        send_counts, recv_counts = sent * row_bytes, received * row_bytes
-        self.comm.Alltoallv(
-            [as_bytes(array), (send_counts.tolist(), _starts(send_counts)), MPI.BYTE],
-            [as_bytes(out), (recv_counts.tolist(), _starts(recv_counts)), MPI.BYTE],
+        """``collective_ops.alltoallv.numpy``: (the rows received, in rank
+        order; how many came from each rank)."""
+        counts = np.asarray(splits, np.int64)
+        out, received = collective_ops.ALLTOALLV.numpy(
+            self, Call(timeout=timeout), token, array, counts
         )
         return out, received
 
@@ -261,79 +203,24 @@ class ArrayCollectives:
 
     def barrier(self, timeout: float | None = None, token: int | None = None) -> None:
         """Returns once every rank has called it (with a timeout, naming the late ranks)."""
-        self.agreement.agree(BARRIER, np.uint8, [], timeout=timeout, token=token)
+        collective_ops.BARRIER.numpy(self, Call(timeout=timeout), token)
 
     def allgather(
         self, arrays: Arrays, timeout: float | None = None, token: int = 0
     ) -> list[np.ndarray]:
-        """Each of ``arrays`` concatenated along axis 0 over the ranks, in rank
-        order (any dtypes; row counts may differ per rank), in one Allgatherv
-        of bytes: each rank sends its row counts, then every array's bytes."""
-        arrays = [np.ascontiguousarray(a) for a in arrays]
-        rows = np.array([a.shape[0] if a.ndim else 1 for a in arrays], np.int64)
-        mine = concat_bytes([rows, *arrays])
-        everyone, carried = self.agreement.agree_carrying(
-            mine,
-            kinds.ALLGATHER,
-            [a.dtype for a in arrays],
-            [a.shape[1:] for a in arrays],
-            rows=int(rows.sum()),
-            timeout=timeout,
-            token=token,
-        )
-        counts = everyone[:, Field.BYTES]
-        if carried is None:
-            received = buffers.aligned_empty((int(counts.sum()),), np.uint8)
-            self.comm.Allgatherv(mine, [received, (counts.tolist(), None), MPI.BYTE])
-        else:
-            received = np.concatenate([row[:n] for row, n in zip(carried, counts)])
-        return split_gathered(received, counts, arrays)
+        """``collective_ops.allgather.numpy``: each of ``arrays`` concatenated
+        along axis 0 over the ranks, in rank order."""
+        return collective_ops.ALLGATHER.numpy(self, Call(timeout=timeout), token, *arrays)
 
     def alltoall(
         self, array: np.ndarray, timeout: float | None = None, token: int = 0
     ) -> np.ndarray:
-        """Row ``r`` of ``array`` goes to rank ``r``; row ``r`` of the result
-        came from rank ``r``. ``array`` has one row per rank."""
-        if array.ndim == 0 or array.shape[0] != self.size:
-            raise self._mismatch_error(
-                f"mpi_strategy: alltoall needs one row per rank ({self.size}), got "
-                f"shape {array.shape}."
-            )
-        array = np.ascontiguousarray(array)
-        self.agreement.agree(
-            kinds.ALLTOALL, array.dtype, [array.shape], timeout=timeout, token=token
-        )
-        out = buffers.aligned_empty(array.shape, array.dtype)
-        self.comm.Alltoall([as_bytes(array), MPI.BYTE], [as_bytes(out), MPI.BYTE])
-        return out
+        """``collective_ops.alltoall.numpy``: row ``r`` of ``array`` goes to rank ``r``."""
+        return collective_ops.ALLTOALL.numpy(self, Call(timeout=timeout), token, array)[0]
 
     def broadcast(
         self, array: np.ndarray, root: int = 0, timeout: float | None = None, token: int = 0
     ) -> np.ndarray:
-        """``array`` as it is on ``root``; ranks whose arrays differ in size or
-        dtype raise (they are not running the same program)."""
-        out = buffers.aligned_empty(array.shape, array.dtype)
-        out[...] = array
-        _, carried = self.agreement.agree_carrying(
-            as_bytes(out),
-            kinds.BROADCAST,
-            array.dtype,
-            [array.shape],
-            timeout=timeout,
-            token=token,
-            tag=f"root {root}",
-        )
-        if carried is None:
-            self.comm.Bcast([as_bytes(out), MPI.BYTE], root=root)
-        else:
-            as_bytes(out)[...] = carried[root, : out.nbytes]
-        return out
-
-
-def row_split(rows: int, parts: int) -> list[int]:
-    """``rows`` cut into ``parts`` as evenly as possible, the larger pieces first."""
-    return [rows // parts + (1 if r < rows % parts else 0) for r in range(parts)]
-
-
-def _starts(counts: np.ndarray) -> list[int]:
-    return (np.cumsum(counts) - counts).tolist()
+        """``collective_ops.broadcast.numpy``: ``array`` as it is on ``root``."""
+        p = Call(root=root, timeout=timeout)
+        return collective_ops.BROADCAST.numpy(self, p, token, array)[0]

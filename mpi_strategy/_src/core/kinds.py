@@ -10,7 +10,8 @@ and what to do about it (each kind's advice, ``ORDER_ADVICE``,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ class Kind:
     ``Agreement.agree``); ``solo_label`` and ``solo_advice`` then describe a
     collective such a rank makes meanwhile. ``blame``: the advice when a rank
     in this kind meets ranks in another (it names the likely cause).
+    ``wording``: the signature in words, when ``describe``'s do not fit.
     """
 
     code: int
@@ -39,6 +41,7 @@ class Kind:
     solo_label: str = ""
     solo_advice: str = ""
     blame: str = ""
+    wording: Callable[[np.ndarray], str] | None = None
 
 
 # Every kind by its code: filled at import (alike on every rank), then only read.
@@ -53,71 +56,35 @@ def register_kind(kind: Kind) -> Kind:
     return kind
 
 
-ALLREDUCE = register_kind(
-    Kind(
-        1,
-        "allreduce",
-        (
-            "Element-wise reductions need tensors of one shape and dtype on every rank; "
-            "per-replica batches of different sizes can only be reduced along an axis "
-            "(strategy.reduce(..., axis=0)) or gathered."
-        ),
-    )
-)
-ALLGATHER = register_kind(
-    Kind(
-        2,
-        "all_gather",
-        (
-            "Every rank must gather the same tensors, each of one dtype and with "
-            "shapes that agree except along the gather axis."
-        ),
-    )
-)
-BROADCAST = register_kind(
-    Kind(
-        3,
-        "broadcast",
-        (
-            "All ranks must create the same variables, in the same order, with the "
-            "same shapes and dtypes (build the model identically on every rank)."
-        ),
-    )
-)
-ALLTOALL = register_kind(
-    Kind(
-        4,
-        "alltoall",
-        (
-            "A compressed reduction (compression=...) needs the same tensors on every "
-            "rank; the ranks are reducing different gradients (build the model "
-            "identically on every rank) or use different compression settings."
-        ),
-    )
-)
-# (5 and 6: a save and its end, features/saving/write_point.py)
+# (1-4, 8-13: the collectives' own, in their modules under collective_ops/;
+# 5 and 6: a save and its end, features/saving/write_point.py)
 FINALIZE = register_kind(Kind(7, "the end of the program", meeting=True))
-_REDUCE_ADVICE = ALLREDUCE.advice + " All ranks must also use the same reduction op."
-ALLREDUCE_MIN = register_kind(Kind(8, "allreduce (min)", _REDUCE_ADVICE))
-ALLREDUCE_MAX = register_kind(Kind(9, "allreduce (max)", _REDUCE_ADVICE))
-ALLREDUCE_PRODUCT = register_kind(Kind(10, "allreduce (product)", _REDUCE_ADVICE))
-REDUCESCATTER = register_kind(
-    Kind(
-        11,
-        "reducescatter",
-        "A reduce-scatter needs a tensor of one shape and dtype on every rank, "
-        "reduced with the same op.",
+
+# The collectives' kinds by their former names here, for callers that name them.
+_MOVED = {
+    "ALLREDUCE": ("allreduce", "KIND"),
+    "ALLREDUCE_MIN": ("allreduce", "MIN"),
+    "ALLREDUCE_MAX": ("allreduce", "MAX"),
+    "ALLREDUCE_PRODUCT": ("allreduce", "PRODUCT"),
+    "ALLGATHER": ("allgather", "KIND"),
+    "BROADCAST": ("broadcast", "KIND"),
+    "ALLTOALL": ("alltoall", "KIND"),
+    "REDUCESCATTER": ("reducescatter", "KIND"),
+    "ALLTOALLV": ("alltoallv", "KIND"),
+    "BARRIER": ("barrier", "KIND"),
+}
+
+
+def __getattr__(name: str) -> Kind:
+    """A collective's kind, declared in its module (``collective_ops/<name>.py``;
+    imported here when asked: those modules import this one)."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _MOVED[name]
+    found: Kind = getattr(
+        importlib.import_module(f"{__package__}.collective_ops.{module}"), attribute
     )
-)
-ALLTOALLV = register_kind(
-    Kind(
-        12,
-        "alltoall (splits)",
-        "Every rank must send tensors of one dtype whose shapes agree except along "
-        "the first axis, split in as many pieces as there are ranks.",
-    )
-)
-BARRIER = register_kind(Kind(13, "barrier", meeting=True))
+    return found
 
 
 ORDER_ADVICE = (
@@ -148,14 +115,8 @@ def describe(signature: np.ndarray) -> str:
         return kind
     if signature[Field.SOLO]:
         kind = f"({kind_of(signature[Field.SOLO]).solo_label}) " + kind
-    if of == ALLGATHER:
-        if signature[Field.TENSORS] != 1:
-            return (
-                f"all_gather of {signature[Field.TENSORS]} tensors ({signature[Field.ROWS]} rows, "
-                f"{signature[Field.COUNT]} elements per row in all)"
-            )
-        rows, count = signature[Field.ROWS], signature[Field.COUNT]
-        return f"all_gather of {rows} rows of {count} {dtype} elements"
+    if of.wording is not None:
+        return of.wording(signature)
     packed = f" in {signature[Field.TENSORS]} tensors" if signature[Field.TENSORS] != 1 else ""
     return f"{kind} of {signature[Field.COUNT]} {dtype} elements{packed}"
 

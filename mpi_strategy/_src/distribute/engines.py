@@ -5,19 +5,23 @@ engines, in order, which runs it: the first whose ``runs`` says yes. Every
 engine sends the same bytes in the same MPI calls (``core/protocol.py``), so
 ranks whose collectives ran on different engines still meet correctly.
 
-- ``NativeEngine``: compiled kernels (``native/``), for the all-reduce, the
-  broadcast, the all-gather, the alltoall (equal splits and with splits),
-  the reduce-scatter and the barrier, when their shapes are known when
-  tracing; also with a ``timeout_seconds`` (polled and the missing ranks
-  announced in C: ``kernels/timeouts.cc``) and while a timeline records
-  (timestamps taken in C, the events written by Python: ``Event.TRACE``).
-- ``PythonEngine``: a ``tf.numpy_function`` calling ``core/collectives.py``;
-  runs everything.
+- ``NativeEngine``: compiled kernels (``native/``), for each collective
+  that declares one (``core/collective_ops/<name>.py``, its ``native``),
+  when its shapes are known when tracing and its
+  ``NativeOp.runs`` says so; also with a ``timeout_seconds`` (polled and the
+  missing ranks announced in C: ``kernels/timeouts.cc``) and while a
+  timeline records (timestamps taken in C, the events written by Python:
+  ``Event.TRACE``).
+- ``PythonEngine``: a ``tf.numpy_function`` calling the collective's
+  ``numpy`` (``core/collective_ops/``); runs everything.
 
-What only the Python engine runs, and why (the one place this is listed):
-shapes unknown when tracing (a kernel's agreement record, its static part,
-is fixed when tracing); an alltoall without one row per rank and a
-reduce-scatter of a scalar (the Python engine raises their errors).
+Both dispatch from that registry (``collective_ops.get``: a kind no module
+declares raises ``ValueError`` on both), once per op, when tracing. What
+only the Python engine runs, and why: shapes unknown when tracing (a
+kernel's agreement record, its static part, is fixed when tracing), and
+what a collective's ``NativeOp.runs`` refuses (e.g. an alltoall without one
+row per rank, a reduce-scatter of a scalar: the Python engine raises their
+errors).
 
 An engine declares the device its ops run on (``device``): a GPU engine would
 be a third implementation of ``Engine`` whose kernels are registered for
@@ -34,7 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 import tensorflow as tf
 
-from mpi_strategy._src.core import timeline as timeline_lib
+from mpi_strategy._src.core import collective_ops, timeline as timeline_lib
 from mpi_strategy._src.core.collectives import ArrayCollectives
 from mpi_strategy._src.native.engine import NativeComm
 
@@ -54,7 +58,7 @@ class Collective:
     concatenation. ``timeout``: seconds (None: wait as long as MPI does).
     """
 
-    kind: str  # allreduce, allgather, broadcast, alltoall, alltoallv, reducescatter, barrier
+    kind: str  # its module's name in core/collective_ops (CollectiveOp.name), e.g. "allreduce"
     name: str  # the op's name, e.g. "MPIAllreduce"
     output_dtypes: tuple[tf.DType, ...]
     op: str = "sum"
@@ -129,44 +133,15 @@ class PythonEngine:
         assert c.shapes is not None
         shapes = list(c.shapes)
         flat = tf.concat([tf.reshape(t, [-1]) for t in inputs], axis=0)
-        run = self._collectives
-        next_token, summed = self._op(
-            c,
-            lambda token, array: run.allreduce([array], c.op, shapes, c.timeout, token),
-            token,
-            [flat],
-            [flat.dtype],
-        )
+        next_token, summed = self._op(c, self._numpy(c), token, [flat], [flat.dtype])
         parts = tf.split(summed, [math.prod(shape) for shape in shapes])
         return [next_token, *(tf.reshape(p, s) for p, s in zip(parts, shapes))]
 
     def _numpy(self, c: Collective) -> Callable[..., Sequence[np.ndarray]]:
-        """The numpy function ``(token, *arrays) -> outputs`` of ``c``."""
-        run = self._collectives
-        if c.kind == "allreduce":
-            return lambda token, *arrays: run.allreduce(arrays, c.op, None, c.timeout, token)
-        if c.kind == "allgather":
-            return lambda token, *arrays: run.allgather(arrays, c.timeout, token)
-        if c.kind == "broadcast":
-            return lambda token, array: [run.broadcast(array, c.root, c.timeout, token)]
-        if c.kind == "alltoall":
-            return lambda token, array: [run.alltoall(array, c.timeout, token)]
-        if c.kind == "alltoallv":
-            return lambda token, array, counts: list(
-                run.alltoallv(array, counts.tolist(), c.timeout, token)
-            )
-        if c.kind == "reducescatter":
-            return lambda token, array: [run.reducescatter(array, c.op, c.timeout, token)]
-        if c.kind == "barrier":
-            return lambda token: _after(run.barrier, c.timeout, token)
-        raise ValueError(f"mpi_strategy: no collective kind {c.kind!r}")
-
-
-def _after(
-    wait: Callable[[float | None, int], None], timeout: float | None, token: int
-) -> list[np.ndarray]:
-    wait(timeout, token)
-    return [np.int32(0)]
+        """The numpy function ``(token, *arrays) -> outputs`` of ``c`` (its
+        module's ``numpy``; a kind no module declares raises)."""
+        spec, run = collective_ops.get(c.kind), self._collectives
+        return lambda token, *arrays: spec.numpy(run, c, token, *arrays)
 
 
 class NativeEngine:
@@ -174,22 +149,18 @@ class NativeEngine:
 
     name = "native"
     device = HOST
-    KINDS = frozenset(
-        {"allreduce", "allgather", "broadcast", "alltoall", "alltoallv", "reducescatter", "barrier"}
-    )
 
     def __init__(self, kernels: NativeComm) -> None:
         self._kernels = kernels
 
     def runs(self, collective: Collective) -> bool:
-        shapes = collective.shapes
+        # (the Python engine runs, and explains, what a kernel does not: see
+        # each collective's NativeOp.runs)
+        native = collective_ops.get(collective.kind).native
         return (
-            collective.kind in self.KINDS
-            and shapes is not None
-            # (the Python engine explains an alltoall without one row per rank,
-            # and a reduce-scatter of a scalar)
-            and (collective.kind != "alltoall" or shapes[0][:1] == (self._kernels.size,))
-            and (collective.kind != "reducescatter" or len(shapes[0]) > 0)
+            native is not None
+            and collective.shapes is not None
+            and native.runs(collective, self._kernels.size)
         )
 
     def __call__(self, collective: Collective, token: tf.Tensor, inputs: Outputs) -> Outputs:
@@ -206,20 +177,4 @@ class NativeEngine:
             raise original from None
 
     def _kernel(self, c: Collective, token: tf.Tensor, inputs: Outputs) -> Outputs:
-        assert c.shapes is not None
-        kernels, timeout = self._kernels, c.timeout
-        if c.kind == "allreduce":
-            return kernels.allreduce(token, inputs, c.op, c.shapes, c.contiguous, timeout)
-        if c.kind == "broadcast":
-            return kernels.broadcast(token, inputs[0], c.root, timeout)
-        if c.kind == "alltoall":
-            return kernels.alltoall(token, inputs[0], timeout)
-        if c.kind == "alltoallv":
-            return kernels.alltoallv(token, inputs[0], inputs[1], timeout)
-        if c.kind == "reducescatter":
-            return kernels.reducescatter(token, inputs[0], c.op, timeout)
-        if c.kind == "barrier":
-            return kernels.barrier(token, timeout)
-        if c.kind == "allgather":
-            return kernels.allgather(token, inputs, timeout)
-        raise ValueError(f"mpi_strategy: no native kernel for collective kind {c.kind!r}")
+        return self._kernels.run(collective_ops.get(c.kind), c, token, inputs)

@@ -31,6 +31,16 @@ from mpi4py import MPI
 
 from mpi_strategy._src import _tf_internal
 from mpi_strategy._src.core.agreement import Agreement, ErrorClass
+from mpi_strategy._src.core.collective_ops import (
+    ALLGATHER,
+    ALLREDUCE,
+    ALLTOALL,
+    ALLTOALLV,
+    BARRIER,
+    BROADCAST,
+    REDUCESCATTER,
+    CollectiveOp,
+)
 from mpi_strategy._src.core.collectives import ArrayCollectives
 from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
 from mpi_strategy._src.distribute.engines import (
@@ -42,21 +52,6 @@ from mpi_strategy._src.distribute.engines import (
 )
 from mpi_strategy._src.distribute.tf_errors import CollectiveMismatchError, CollectiveTimeoutError
 from mpi_strategy._src.native import engine as native_engine
-
-# Dtypes MPI can sum natively. float16 / bfloat16 are summed in float32 by the
-# caller (MPI has no portable half-precision reduction).
-REDUCIBLE_DTYPES = (
-    tf.float32,
-    tf.float64,
-    tf.int32,
-    tf.int64,
-    tf.int8,
-    tf.uint8,
-    tf.int16,
-    tf.uint16,
-    tf.uint32,
-    tf.uint64,
-)
 
 
 class OrderedComm:
@@ -194,32 +189,8 @@ class OrderedComm:
         TensorFlow first: each tensor that crosses into Python costs several
         microseconds, more than copying a few hundred kB.
         """
-        _check_not_xla("allreduce")
-        if self.size == 1:
-            return [tf.identity(t) for t in tensors]
-        dtypes = {t.dtype for t in tensors}
-        if len(dtypes) != 1 or tensors[0].dtype not in REDUCIBLE_DTYPES:
-            raise MPIStrategyError(
-                f"mpi_strategy: cannot reduce dtype(s) {sorted(d.name for d in dtypes)} in one "
-                f"MPI call; supported: one of {[d.name for d in REDUCIBLE_DTYPES]} "
-                "(float16/bfloat16 are summed in float32 by MPICrossDeviceOps)."
-            )
-        static = all(t.shape.is_fully_defined() for t in tensors)
-        outs = self._ordered_call(
-            Collective(
-                "allreduce",
-                "MPIAllreduce",
-                tuple(t.dtype for t in tensors),
-                op=op,
-                shapes=tuple(tuple(t.shape) for t in tensors) if static else None,
-                contiguous=len(tensors) > 1 and _small_and_static(tensors),
-                timeout=timeout,
-            ),
-            tensors,
-        )
-        for out, t in zip(outs, tensors):
-            out.set_shape(t.shape)
-        return outs
+        contiguous = len(tensors) > 1 and _small_and_static(tensors)
+        return self._run(ALLREDUCE, tensors, op=op, contiguous=contiguous, timeout=timeout)
 
     def allgather(self, x: tf.Tensor, timeout: float | None = None) -> tf.Tensor:
         """Concatenation along axis 0 of ``x`` from every rank, in rank order.
@@ -238,38 +209,14 @@ class OrderedComm:
         axis 0 over the ranks, in rank order, and may have a different number
         of rows on each rank. One ``Allgatherv`` of bytes carries them all.
         """
-        _check_not_xla("allgather")
-        if self.size == 1:
-            return [tf.identity(x) for x in tensors]
-        known = all(x.shape.rank is not None and x.shape[1:].is_fully_defined() for x in tensors)
-        outs = self._ordered_call(
-            Collective(
-                "allgather",
-                "MPIAllgather",
-                tuple(x.dtype for x in tensors),
-                shapes=tuple(tuple(x.shape[1:]) for x in tensors) if known else None,
-                timeout=timeout,
-            ),
-            tensors,
-        )
-        for out, x in zip(outs, tensors):
-            out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
-        return outs
+        return self._run(ALLGATHER, tensors, timeout=timeout)
 
     def alltoall(self, x: tf.Tensor, timeout: float | None = None) -> tf.Tensor:
         """Row ``r`` of ``x`` goes to rank ``r``: the result's row ``r`` is what
         rank ``r`` sent to this rank. ``x`` has ``size`` rows, of the same
         shape and dtype on every rank.
         """
-        _check_not_xla("alltoall")
-        if self.size == 1:
-            return tf.identity(x)
-        (out,) = self._ordered_call(
-            Collective("alltoall", "MPIAlltoall", (x.dtype,), shapes=_static([x]), timeout=timeout),
-            [x],
-        )
-        out.set_shape(x.shape)
-        return out
+        return self._run(ALLTOALL, [x], timeout=timeout)[0]
 
     def broadcast(self, x: tf.Tensor, root: int = 0, timeout: float | None = None) -> tf.Tensor:
         """``x`` as it is on ``root``, on every rank.
@@ -278,72 +225,65 @@ class OrderedComm:
         since that means the ranks are not running the same program (e.g. a
         model built differently on one rank).
         """
-        _check_not_xla("broadcast")
-        if self.size == 1:
-            return tf.identity(x)
-        (out,) = self._ordered_call(
-            Collective(
-                "broadcast",
-                "MPIBroadcast",
-                (x.dtype,),
-                root=root,
-                shapes=(tuple(x.shape),) if x.shape.is_fully_defined() else None,
-                timeout=timeout,
-            ),
-            [x],
-        )
-        out.set_shape(x.shape)
-        return out
+        return self._run(BROADCAST, [x], root=root, timeout=timeout)[0]
 
     def reducescatter(
         self, x: tf.Tensor, op: str = "sum", timeout: float | None = None
     ) -> tf.Tensor:
         """``x`` (one shape and dtype on every rank) reduced with ``op``; this
         rank gets its share of the rows (``core.collectives.row_split``)."""
-        _check_not_xla("reducescatter")
-        (out,) = self._ordered_call(
-            Collective(
-                "reducescatter",
-                "MPIReducescatter",
-                (x.dtype,),
-                op=op,
-                shapes=_static([x]),
-                timeout=timeout,
-            ),
-            [x],
-        )
-        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
-        return out
+        return self._run(REDUCESCATTER, [x], op=op, timeout=timeout)[0]
 
     def alltoallv(
         self, x: tf.Tensor, splits: tf.Tensor, timeout: float | None = None
     ) -> tuple[tf.Tensor, tf.Tensor]:
         """The first ``splits[r]`` rows after those for lower ranks go to rank
         ``r``; returns (the rows received, in rank order; how many from each rank)."""
-        _check_not_xla("alltoall")
-        known = x.shape.rank is not None and x.shape[1:].is_fully_defined()
-        out, received = self._ordered_call(
-            Collective(
-                "alltoallv",
-                "MPIAlltoall",
-                (x.dtype, tf.int64),
-                # (the agreement compares the shape beyond axis 0; a scalar's is ())
-                shapes=((tuple(x.shape[1:]),) if known else None),
-                timeout=timeout,
-            ),
-            [x, tf.cast(splits, tf.int64)],
-        )
-        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
-        received.set_shape([self.size])
+        out, received = self._run(ALLTOALLV, [x, tf.cast(splits, tf.int64)], timeout=timeout)
         return out, received
 
     def barrier(self, timeout: float | None = None) -> tf.Tensor:
         """Returns (a scalar 0) once every rank has reached it."""
-        (out,) = self._ordered_call(
-            Collective("barrier", "MPIBarrier", (tf.int32,), shapes=(), timeout=timeout), []
+        return self._run(BARRIER, [], timeout=timeout)[0]
+
+    def _run(
+        self,
+        spec: CollectiveOp,
+        inputs: Sequence[tf.Tensor],
+        *,
+        op: str = "sum",
+        root: int = 0,
+        contiguous: bool = False,
+        timeout: float | None = None,
+    ) -> list[tf.Tensor]:
+        """The collective ``spec`` (``core/collective_ops/``) of ``inputs``, as
+        one ordered op (``timeout``: seconds, None for MPI's own wait); its
+        outputs' shapes set as far as known when tracing. Runs when tracing."""
+        _check_not_xla(spec.name)
+        if self.size == 1 and spec.identity_on_one_rank:
+            return [tf.identity(t) for t in inputs]
+        spec.check([np.dtype(t.dtype.as_numpy_dtype) for t in inputs])
+        dims = [None if t.shape.rank is None else tuple(t.shape.as_list()) for t in inputs]
+        if spec.output_dtypes is None:
+            output_dtypes = tuple(t.dtype for t in inputs)
+        else:
+            output_dtypes = tuple(tf.as_dtype(d) for d in spec.output_dtypes)
+        outs = self._ordered_call(
+            Collective(
+                spec.name,
+                spec.op_name,
+                output_dtypes,
+                op=op,
+                root=root,
+                shapes=spec.agreed(dims),
+                contiguous=contiguous,
+                timeout=timeout,
+            ),
+            inputs,
         )
-        out.set_shape([])
-        return out
+        for out, shape in zip(outs, spec.output_shapes(dims, self.size)):
+            out.set_shape(shape)
+        return outs
 
     def check_same_constants(self, arrays: Sequence[np.ndarray]) -> None:
         """Checks, at the next collective, that ``arrays`` (constants of the
@@ -369,13 +309,6 @@ _CONSTANT_HASH_MASK = (1 << 24) - 1
 # Up to this many bytes, TensorFlow concatenates many tensors into one before
 # they cross into Python (see allreduce_sum_packed).
 _CONCAT_IN_GRAPH_BYTES = 256 * 1024
-
-
-def _static(tensors: Sequence[tf.Tensor]) -> tuple[tuple[int, ...], ...] | None:
-    """The tensors' shapes when all are known when tracing, else None."""
-    if not all(t.shape.is_fully_defined() for t in tensors):
-        return None
-    return tuple(tuple(t.shape) for t in tensors)
 
 
 def _in_graph_v1() -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import re
 import secrets
 import sys
 import weakref
@@ -34,10 +35,11 @@ import tensorflow as tf
 from mpi4py import MPI
 
 from mpi_strategy._src.core import kinds, protocol, timeline, ulfm
-from mpi_strategy._src.core.collectives import REDUCTIONS, ArrayCollectives
+from mpi_strategy._src.core.collective_ops.base import CollectiveOp, Params
+from mpi_strategy._src.core.collectives import ArrayCollectives
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.process import PROCESS
-from mpi_strategy._src.core.protocol import Event, Field, Op, Shape, State, as_int64
+from mpi_strategy._src.core.protocol import Event, Field, Shape, State, as_int64
 from mpi_strategy._src.native import build
 
 KERNELS_ENV = "MPI_STRATEGY_KERNELS"
@@ -210,147 +212,27 @@ class NativeComm:
         self.size = collectives.size
 
     @tf.autograph.experimental.do_not_convert
-    def allreduce(
-        self,
-        token: tf.Tensor,
-        tensors: Sequence[tf.Tensor],
-        op: str,
-        shapes: Sequence[Shape],
-        contiguous: bool = False,
-        timeout: float | None = None,
+    def run(
+        self, spec: CollectiveOp, p: Params, token: tf.Tensor, inputs: Sequence[tf.Tensor]
     ) -> list[tf.Tensor]:
-        """[next token, *reduced tensors]: ``ArrayCollectives.allreduce`` in one kernel.
-        ``shapes``: what the agreement compares (static). ``contiguous``: the
-        tensors' bytes back to back, as the Python engine sends small tensors
-        that TensorFlow concatenated (else each starts 64-byte aligned, as
-        ``core/buffers.py`` packs them)."""
-        kind, mpi_op, _ = REDUCTIONS[op]
-        dtype = tensors[0].dtype.as_numpy_dtype
-        next_token, outputs = self._ops.mpi_strategy_allreduce(
-            name="MPIAllreduce",
-            token=token,
-            inputs=list(tensors),
-            op=Op[op.upper()].value,
-            mpi_op=as_int64(mpi_op.handle),
-            mpi_dtype=as_int64(MPI.Datatype.fromcode(np.dtype(dtype).char).handle),
-            contiguous=int(contiguous),
-            **self._site(kind, shapes, [dtype], timeout=timeout, name="MPIAllreduce"),
-        )
-        return [next_token, *outputs]
-
-    @tf.autograph.experimental.do_not_convert
-    def broadcast(
-        self, token: tf.Tensor, tensor: tf.Tensor, root: int, timeout: float | None = None
-    ) -> list[tf.Tensor]:
-        """[next token, ``tensor`` as on ``root``]: ``ArrayCollectives.broadcast`` in one kernel."""
-        shapes = [tuple(tensor.shape)]
-        return self._ops.mpi_strategy_broadcast(  # (next token, output)
-            name="MPIBroadcast",
-            token=token,
-            input=tensor,
-            root=root,
-            **self._site(
-                kinds.BROADCAST,
-                shapes,
-                [tensor.dtype.as_numpy_dtype],
-                f"root {root}",
-                timeout,
-                name="MPIBroadcast",
-            ),
-        )
-
-    @tf.autograph.experimental.do_not_convert
-    def allgather(
-        self, token: tf.Tensor, tensors: Sequence[tf.Tensor], timeout: float | None = None
-    ) -> list[tf.Tensor]:
-        """[next token, *gathered tensors]: ``ArrayCollectives.allgather`` in one
-        kernel (the tensors' shapes beyond axis 0 known when tracing)."""
-        row_shapes = [tuple(t.shape[1:]) for t in tensors]
-        dtypes = [t.dtype.as_numpy_dtype for t in tensors]
-        next_token, outputs = self._ops.mpi_strategy_allgather(
-            name="MPIAllgather",
-            token=token,
-            inputs=list(tensors),
-            **self._site(kinds.ALLGATHER, row_shapes, dtypes, timeout=timeout, name="MPIAllgather"),
-        )
-        return [next_token, *outputs]
-
-    @tf.autograph.experimental.do_not_convert
-    def barrier(self, token: tf.Tensor, timeout: float | None = None) -> list[tf.Tensor]:
-        """[next token, a scalar 0]: ``ArrayCollectives.barrier`` in one kernel."""
-        return self._ops.mpi_strategy_barrier(  # (next token, output)
-            name="MPIBarrier",
-            token=token,
-            **self._site(kinds.BARRIER, [], [np.uint8], timeout=timeout, name="MPIBarrier"),
-        )
-
-    @tf.autograph.experimental.do_not_convert
-    def alltoall(
-        self, token: tf.Tensor, tensor: tf.Tensor, timeout: float | None = None
-    ) -> list[tf.Tensor]:
-        """[next token, row r from rank r]: ``ArrayCollectives.alltoall`` in one
-        kernel (``tensor`` has one row per rank)."""
-        return self._ops.mpi_strategy_alltoall(  # (next token, output)
-            name="MPIAlltoall",
-            token=token,
-            input=tensor,
-            **self._site(
-                kinds.ALLTOALL,
-                [tuple(tensor.shape)],
-                [tensor.dtype.as_numpy_dtype],
-                timeout=timeout,
-                name="MPIAlltoall",
-            ),
-        )
-
-    @tf.autograph.experimental.do_not_convert
-    def reducescatter(
-        self, token: tf.Tensor, tensor: tf.Tensor, op: str, timeout: float | None = None
-    ) -> list[tf.Tensor]:
-        """[next token, this rank's rows of the reduction]: ``ArrayCollectives.reducescatter``
-        in one kernel."""
-        dtype = tensor.dtype.as_numpy_dtype
-        return self._ops.mpi_strategy_reducescatter(  # (next token, output)
-            name="MPIReducescatter",
-            token=token,
-            input=tensor,
-            mpi_op=as_int64(REDUCTIONS[op][1].handle),
-            mpi_dtype=as_int64(MPI.Datatype.fromcode(np.dtype(dtype).char).handle),
-            **self._site(
-                kinds.REDUCESCATTER,
-                [tuple(tensor.shape)],
-                [dtype],
-                op,
-                timeout,
-                name="MPIReducescatter",
-            ),
-        )
-
-    @tf.autograph.experimental.do_not_convert
-    def alltoallv(
-        self,
-        token: tf.Tensor,
-        tensor: tf.Tensor,
-        splits: tf.Tensor,
-        timeout: float | None = None,
-    ) -> list[tf.Tensor]:
-        """[next token, the rows received in rank order, how many from each rank]:
-        ``ArrayCollectives.alltoallv`` in one kernel (``splits``: int64; the
-        tensor's shape beyond axis 0 known when tracing)."""
-        dtype = tensor.dtype.as_numpy_dtype
-        return self._ops.mpi_strategy_alltoallv(  # (next token, output, received)
-            name="MPIAlltoall",
-            token=token,
-            input=tensor,
-            splits=splits,
-            **self._site(
-                kinds.ALLTOALLV,
-                [tuple(tensor.shape[1:])],
-                [dtype],
-                timeout=timeout,
-                name="MPIAlltoall",
-            ),
-        )
+        """[next token, *outputs]: ``spec.numpy`` in one kernel, its op
+        ``spec.native`` (``p.shapes``: what the agreement compares, known
+        when tracing)."""
+        native, shapes = spec.native, p.shapes
+        if native is None or shapes is None:
+            raise ValueError(f"mpi_strategy: no native kernel runs this {spec.name}")
+        dtypes = spec.dtypes([np.dtype(t.dtype.as_numpy_dtype) for t in inputs])
+        if native.inputs == ("inputs",):
+            bound: dict[str, Any] = {"inputs": list(inputs)}
+        else:
+            bound = dict(zip(native.inputs, inputs))
+        kernel = getattr(self._ops, _snake(native.type))
+        site = self._site(spec.kind(p), shapes, dtypes, spec.tag(p), p.timeout, name=spec.op_name)
+        outputs = kernel(name=spec.op_name, token=token, **bound, **native.attrs(p, dtypes), **site)
+        if native.listed:
+            next_token, listed = outputs
+            return [next_token, *listed]
+        return list(outputs)
 
     def _site(
         self,
@@ -383,6 +265,12 @@ class NativeComm:
     def take_error(self) -> BaseException | None:
         """The Python exception behind this communicator's last kernel error (once)."""
         return _native().errors.pop(self.id, None)
+
+
+def _snake(op_type: str) -> str:
+    """An op type's function in ``tf.load_op_library``'s module (MpiStrategyAllreduce:
+    mpi_strategy_allreduce)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", op_type).lower()
 
 
 def _bits(seconds: float) -> int:

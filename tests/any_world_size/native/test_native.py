@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 from mpi_strategy._src.core.protocol import State
+from mpi_strategy._src.distribute.engines import Collective
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.native import engine as native_engine
 from mpi_strategy.errors import CollectiveMismatchError
@@ -202,6 +203,15 @@ def test_the_kernels_run_every_collective(engines):
     graph = step.get_concrete_function().graph
     assert [op.type for _, op in mpi_calls(graph)] == list(NATIVE_OP_TYPES)
     step()
+
+
+def test_a_kind_no_collective_has_raises_on_both_engines(engines):
+    # (no engine may run something else in its place, e.g. an all-gather)
+    unknown = Collective("nonesuch", "MPINonesuch", (tf.int32,), shapes=())
+    native = next(e for e in engines[0]._engines if e.name == "native")
+    for engine in (native, engines[1]._engines[0]):
+        with pytest.raises(ValueError, match="collective kind 'nonesuch'"):
+            engine(unknown, tf.constant(np.int64(0)), [])
 
 
 def test_ranks_on_different_engines_meet_in_the_same_collectives(protocol):

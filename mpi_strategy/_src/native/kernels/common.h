@@ -186,6 +186,24 @@ void Run(void* kernel, TF_OpKernelContext* ctx) {
   site.held.reset();
 }
 
+// Runs `body(site, input, status)` (true: done) between the agreement and
+// the token's step, for a kernel of inputs (token, x) whose data never rides
+// in the agreement.
+template <typename Body>
+void AfterAgreeing(void* kernel, TF_OpKernelContext* ctx, Body body) {
+  Site& site = *static_cast<Site*>(kernel);
+  TF_Status* status = TF_NewStatus();
+  const int64_t token = ReadToken(ctx, status);
+  std::vector<TF_Tensor*> inputs = Inputs(ctx, 1, status);
+  bool carried = false;
+  if (TF_GetCode(status) == TF_OK && Agree(ctx, site, token, nullptr, 0, &carried) &&
+      body(site, inputs[0], status)) {
+    SetToken(ctx, site, status);
+  }
+  for (TF_Tensor* input : inputs) TF_DeleteTensor(input);
+  TF_DeleteStatus(status);
+}
+
 // `input`, `types`: nullptr for none (an op of the token alone); `input` and
 // `output` may list several, separated by ";".
 void RegisterOp(const char* name, const char* input, const char* output, bool listed,
