@@ -189,10 +189,11 @@ def check_attrs(op_type: str, given: set[str]) -> None:
     unknown = sorted(given - set(attrs))
     needed = {a.name for a in protocol.ATTRS if a.default is None or op_type in a.ops}
     missing = sorted(needed - given)
+    said = [f"{what}: {names}" for what, names in (("not there", unknown), ("left out", missing))]
     if unknown or missing:
         raise MPIStrategyError(
             f"mpi_strategy: every rank tracing a native {op_type} op: its attributes differ "
-            f"from core/protocol.py ATTRS (not there: {unknown}; left out: {missing})."
+            f"from core/protocol.py ATTRS ({'; '.join(s for s in said if not s.endswith('[]'))})."
         )
 
 
