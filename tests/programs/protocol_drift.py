@@ -1,22 +1,65 @@
 """The wire protocol's load-time check, against drift on either side. Prints
 one line per case, ``<case>: accepted`` or ``<case>: refused: <reason>``.
 
-``python protocol_drift.py cxx DIR``: builds the kernels into DIR from a
-protocol header with one constant edited (the C++ side drifted), and checks it.
+``python protocol_drift.py cxx DIR``: for each check, builds the kernels into
+DIR from a protocol header with one item edited (the C++ side drifted), and
+checks the library (``check CASE PATH``, in a process of its own).
 
 ``python protocol_drift.py python``: checks the kernels as built (the cache),
-then again after one constant of core/protocol.py changed (the Python side
-drifted). One library per process: loading one registers its ops.
+then again after one item of core/protocol.py changed, for each check (the
+Python side drifted). One library per process: loading one registers its ops.
 """
 
 import ctypes
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mpi_strategy._src.core import protocol
 from mpi_strategy._src.native import build, engine
 
-DRIFTED_FROM, DRIFTED_TO = "kPieceAlign = 8", "kPieceAlign = 16"
+# Each check: (its name, the header's text, the same text drifted).
+CXX_DRIFTS = {
+    "align": ("kPieceAlign = 8", "kPieceAlign = 16"),
+    "attribute default": ('{"root: int = 0", &Attrs::root}', '{"root: int = 1", &Attrs::root}'),
+    "attribute list": ('    {"mpi_op: int = 0", &Attrs::mpi_op},\n', ""),
+    "trace layout": (
+        "  int64_t bytes;\n  int64_t tensors;",
+        "  int64_t tensors;\n  int64_t bytes;",
+    ),
+    "bad-splits layout": ("  int64_t rows;\n  int64_t k;", "  int64_t k;\n  int64_t rows;"),
+    "callback": ("char* message, int64_t capacity)", "char* message, int capacity)"),
+    "announcements": ("1 * size + 1, 2 * size + 1", "1 * size + 0, 2 * size + 1"),
+}
+
+
+def _swap(fields, a, b):
+    order = [dict(fields)[name] for name in (a, b)]
+    swapped = {a: (b, order[1]), b: (a, order[0])}
+    return tuple(swapped.get(name, (name, kind)) for name, kind in fields)
+
+
+# Each check: (its name, protocol's attribute, its drifted value).
+PYTHON_DRIFTS = {
+    "align": ("PIECE_ALIGN", 16),
+    "attribute default": (
+        "ATTRS",
+        tuple(a._replace(default=1) if a.name == "root" else a for a in protocol.ATTRS),
+    ),
+    "attribute list": ("ATTRS", (*protocol.ATTRS, protocol.Attr("extra", 0))),
+    "trace layout": (
+        "TRACE",
+        protocol.TRACE._replace(fields=_swap(protocol.TRACE.fields, "bytes", "tensors")),
+    ),
+    "bad-splits layout": (
+        "BAD_SPLITS",
+        protocol.BAD_SPLITS._replace(fields=_swap(protocol.BAD_SPLITS.fields, "rows", "k")),
+    ),
+    "callback": ("CALLBACK", (*protocol.CALLBACK, ("extra", "int64"))),
+    "init": ("INIT", (*protocol.INIT, ("extra", "int64"))),
+    "announcements": ("ANNOUNCED", {**protocol.ANNOUNCED, "requests": (1, 2)}),
+}
 
 
 def check(case: str, path: Path) -> None:
@@ -27,18 +70,43 @@ def check(case: str, path: Path) -> None:
         print(f"{case}: refused: {error}", flush=True)
 
 
+def _drifted_library(directory: str, name: str) -> Path:
+    header = protocol.header()
+    was, drifted = CXX_DRIFTS[name]
+    assert header.count(was) == 1, f"the header no longer holds {was!r} once"
+    path = Path(directory, f"{name.replace(' ', '_')}.so")
+    build.compile_into(path, header.replace(was, drifted))
+    return path
+
+
+def _build_and_check(directory: str, name: str) -> str:
+    """A drifted library's check, in a process of its own (each loads one)."""
+    path = _drifted_library(directory, name)
+    argv = [sys.executable, __file__, "check", f"C++ side changed ({name})", str(path)]
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    return (
+        result.stdout
+        if result.returncode == 0
+        else f"C++ side changed ({name}): failed: {result.stderr[-500:]!r}\n"
+    )
+
+
 def main() -> None:
     if sys.argv[1] == "cxx":
-        header = protocol.header()
-        assert DRIFTED_FROM in header, f"the header no longer holds {DRIFTED_FROM}"
-        drifted = Path(sys.argv[2], "cxx_drifted.so")
-        build.compile_into(drifted, header.replace(DRIFTED_FROM, DRIFTED_TO))
-        check("C++ side changed", drifted)
+        with ThreadPoolExecutor(2) as pool:  # (each is a whole build)
+            for said in pool.map(lambda name: _build_and_check(sys.argv[2], name), CXX_DRIFTS):
+                print(said, end="", flush=True)
+    elif sys.argv[1] == "check":
+        check(sys.argv[2], Path(sys.argv[3]))
     else:
         built = build.library()
         check("unchanged", built)
-        protocol.PIECE_ALIGN = 16
-        check("Python side changed", built)
+        for name, (attribute, value) in PYTHON_DRIFTS.items():
+            was = getattr(protocol, attribute)
+            setattr(protocol, attribute, value)
+            check(f"Python side changed ({name})", built)
+            setattr(protocol, attribute, was)
+        check("unchanged again", built)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ sends a fixed-size *record*, an int64 *signature* (``Field``) followed by
 carried data, and the ranks compare what must agree. The Python engine
 (``collectives.py``) and the compiled kernels (``native/kernels/``) must
 build, send and read these bytes alike, so that a rank on one meets a rank on
-the other. This module is the one place those rules are written: the C++
+the other; and the kernels and Python must agree on the ops' attributes
+(``ATTRS``), the callback and init signatures (``CALLBACK``, ``INIT``), the
+data an event hands Python (``TRACE``, ``BAD_SPLITS``) and the announcements'
+offsets (``announced``). This module is the one place those rules are written: the C++
 side includes ``header()``, generated from these constants when the kernels
 are built, and the loader refuses a library whose compiled constants
 (``mpi_strategy_protocol()`` in it) differ from ``fingerprint()``.

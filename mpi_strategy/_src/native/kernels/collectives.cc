@@ -14,10 +14,12 @@
 // messages and chooses the same error classes as the Python path.
 //
 // The wire protocol's constants (the signature's fields, the shared state's
-// layout, event and op codes, the hash's constants, alignments) are not
-// written here: they come from core/protocol.py, as the header the build
-// generates, and mpi_strategy_protocol() reports them as compiled, which the
-// loader compares with Python's before any kernel runs.
+// layout, event and op codes, the hash's constants, alignments, the ops'
+// attributes, the callback's and init's signatures, the events' data layouts,
+// the announcements' offsets) are not written here: they come from
+// core/protocol.py, as the header the build generates, and
+// mpi_strategy_protocol() reports them as compiled, which the loader compares
+// with Python's before any kernel runs.
 //
 // MPI is not linked: the kernel finds MPI's functions through the library
 // mpi4py loaded (dlopen RTLD_NOLOAD + dlsym), and takes every handle
