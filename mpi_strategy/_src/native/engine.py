@@ -25,7 +25,7 @@ import os
 import secrets
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,29 +172,36 @@ class _CheckedOps:
         op_type = "".join(part.capitalize() for part in wrapper.split("_"))
         # The wrapper's arguments: the op's inputs, its attributes, "name".
         attrs = {a.name for a in protocol.ATTRS}
-        inputs = set(inspect.signature(op).parameters) - attrs - {"name"}
+        inputs = set(inspect.signature(op).parameters) - attrs
+        needed = _needed(op_type)
 
         def checked(**kwargs: Any) -> Any:
-            check_attrs(op_type, set(kwargs) - inputs - {"name"})
+            given = kwargs.keys() - inputs
+            if not given <= attrs or not needed <= given:
+                check_attrs(op_type, given)
             return op(**kwargs)
 
+        setattr(self, wrapper, checked)  # (found directly from now on)
         return checked
 
 
-def check_attrs(op_type: str, given: set[str]) -> None:
+def check_attrs(op_type: str, given: Set[str]) -> None:
     """Raises ``MPIStrategyError`` unless ``given``, the attributes a call of
     ``op_type`` passes, are ``protocol.ATTRS`` and include each one its kernel
     reads (every attribute without a default, and those naming ``op_type``)."""
-    attrs = {a.name: a for a in protocol.ATTRS}
-    unknown = sorted(given - set(attrs))
-    needed = {a.name for a in protocol.ATTRS if a.default is None or op_type in a.ops}
-    missing = sorted(needed - given)
-    said = [f"{what}: {names}" for what, names in (("not there", unknown), ("left out", missing))]
-    if unknown or missing:
+    unknown = sorted(given - {a.name for a in protocol.ATTRS})
+    missing = sorted(_needed(op_type) - given)
+    said = [f"{what}: {n}" for what, n in (("not there", unknown), ("left out", missing)) if n]
+    if said:
         raise MPIStrategyError(
             f"mpi_strategy: every rank tracing a native {op_type} op: its attributes differ "
-            f"from core/protocol.py ATTRS ({'; '.join(s for s in said if not s.endswith('[]'))})."
+            f"from core/protocol.py ATTRS ({'; '.join(said)})."
         )
+
+
+def _needed(op_type: str) -> set[str]:
+    """The attributes every call of ``op_type`` passes."""
+    return {a.name for a in protocol.ATTRS if a.default is None or op_type in a.ops}
 
 
 def kernels() -> Kernels | None:
