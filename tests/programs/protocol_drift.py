@@ -3,7 +3,8 @@ one line per case, ``<case>: accepted`` or ``<case>: refused: <reason>``.
 
 ``python protocol_drift.py cxx DIR``: for each check, builds the kernels into
 DIR from a protocol header with one item edited (the C++ side drifted), and
-checks the library (``check CASE PATH``, in a process of its own).
+checks the library (``check CASE PATH``, in a process of its own), or says
+``not built: <the compiler's error>``.
 
 ``python protocol_drift.py python``: checks the kernels as built (the cache),
 then again after one item of core/protocol.py changed, for each check (the
@@ -31,6 +32,10 @@ CXX_DRIFTS = {
     "bad-splits layout": ("  int64_t rows;\n  int64_t k;", "  int64_t k;\n  int64_t rows;"),
     "callback": ("char* message, int64_t capacity)", "char* message, int capacity)"),
     "announcements": ("1 * size + 1, 2 * size + 1", "1 * size + 0, 2 * size + 1"),
+    "exports": (
+        "mpi_strategy_state_open(int64_t engine, int64_t words)",
+        "mpi_strategy_state_open(int64_t engine, int words)",
+    ),
 }
 
 
@@ -57,7 +62,13 @@ PYTHON_DRIFTS = {
         protocol.BAD_SPLITS._replace(fields=_swap(protocol.BAD_SPLITS.fields, "rows", "k")),
     ),
     "callback": ("CALLBACK", (*protocol.CALLBACK, ("extra", "int64"))),
-    "init": ("INIT", (*protocol.INIT, ("extra", "int64"))),
+    "exports": (
+        "EXPORTS",
+        {
+            **protocol.EXPORTS,
+            "mpi_strategy_state_close": protocol.Function("int64", (("engine", "int64"),)),
+        },
+    ),
     "announcements": ("ANNOUNCED", {**protocol.ANNOUNCED, "requests": (1, 2)}),
 }
 
@@ -81,7 +92,10 @@ def _drifted_library(directory: str, name: str) -> Path:
 
 def _build_and_check(directory: str, name: str) -> str:
     """A drifted library's check, in a process of its own (each loads one)."""
-    path = _drifted_library(directory, name)
+    try:
+        path = _drifted_library(directory, name)
+    except build.BuildError as error:  # (the library's functions: as declared, or no build)
+        return f"C++ side changed ({name}): not built: {' '.join(str(error).split())}\n"
     argv = [sys.executable, __file__, "check", f"C++ side changed ({name})", str(path)]
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
     return (

@@ -6,7 +6,8 @@ carried data, and the ranks compare what must agree. The Python engine
 (``collectives.py``) and the compiled kernels (``native/kernels/``) must
 build, send and read these bytes alike, so that a rank on one meets a rank on
 the other; and the kernels and Python must agree on the ops' attributes
-(``ATTRS``), the callback and init signatures (``CALLBACK``, ``INIT``), the
+(``ATTRS``), the callback's signature and the library's functions (``CALLBACK``,
+``EXPORTS``), the
 data an event hands Python (``TRACE``, ``BAD_SPLITS``) and the announcements'
 offsets (``announced``). This module is the one place those rules are written: the C++
 side includes ``header()``, generated from these constants when the kernels
@@ -146,8 +147,10 @@ ATTRS = (
 )
 
 
-# The C types of the callback's and init's arguments, and of the events' data.
+# The C types of the callback's and the library's functions' arguments, and
+# of the events' data.
 CTYPES = {
+    "void": "void",
     "int32": "int",
     "int64": "int64_t",
     "ssize": "intptr_t",
@@ -155,7 +158,8 @@ CTYPES = {
     "pointer": "void*",
     "text": "char*",
     "const_text": "const char*",
-    "resolve": "Resolve",
+    "words": "int64_t*",
+    "resolve": "protocol::Resolve",
 }
 Signature = tuple[tuple[str, str], ...]  # (name, CTYPES key) of each argument
 # Python's answer on a kernel's error path (native/engine.py ``_resolve``),
@@ -169,15 +173,34 @@ CALLBACK: Signature = (
     ("message", "text"),
     ("capacity", "int64"),
 )
-# ``mpi_strategy_native_init``, returning const_text: NULL, or what is missing.
-INIT: Signature = (
-    ("mpi4py_library", "const_text"),
-    ("in_place", "ssize"),
-    ("byte", "ssize"),
-    ("int64", "ssize"),
-    ("max", "ssize"),
-    ("resolve", "resolve"),
-)
+
+
+class Function(NamedTuple):
+    """A C function of the library that Python calls (ctypes)."""
+
+    returns: str  # a CTYPES key
+    args: Signature
+
+
+EXPORTS = {
+    # Once, before any kernel runs: where MPI is, the handles that differ
+    # between MPI libraries, the way back to Python. NULL, or what is missing.
+    "mpi_strategy_native_init": Function(
+        "const_text",
+        (
+            ("mpi4py_library", "const_text"),
+            ("in_place", "ssize"),
+            ("byte", "ssize"),
+            ("int64", "ssize"),
+            ("max", "ssize"),
+            ("resolve", "resolve"),
+        ),
+    ),
+    # A communicator's shared block (kernels/shared_state.cc).
+    "mpi_strategy_state_open": Function("words", (("engine", "int64"), ("words", "int64"))),
+    "mpi_strategy_state_close": Function("void", (("engine", "int64"),)),
+    "mpi_strategy_states_open": Function("int64", ()),
+}
 
 
 class Layout(NamedTuple):
@@ -350,19 +373,22 @@ def fingerprint() -> str:
     items += [f"announce.tag={ANNOUNCE_TAG}"]
     items += [f"attr.{a.name}={'required' if a.default is None else a.default}" for a in ATTRS]
     items += [f"attrs={len(ATTRS)}"]
-    items += [f"callback={_abi('int32')}({','.join(_abi(t) for _, t in CALLBACK)})"]
-    items += [f"init={_abi('const_text')}({','.join(_abi(t) for _, t in INIT)})"]
+    items += [f"callback={_signature('int32', CALLBACK)}"]
+    items += [f"export.{name}={_signature(f.returns, f.args)}" for name, f in EXPORTS.items()]
     for prefix, layout in (("trace", TRACE), ("bad_splits", BAD_SPLITS)):
-        items += [f"{prefix}.{name}={i}:{_abi(t)}" for i, (name, t) in enumerate(layout.fields)]
+        items += [f"{prefix}.{name}={i}:{t}" for i, (name, t) in enumerate(layout.fields)]
         items += [f"{prefix}.words={len(layout.fields)}"]
     sample = announced(ANNOUNCED_SAMPLE)
     items += [f"announce.{name}({ANNOUNCED_SAMPLE})={getattr(sample, name)}" for name in ANNOUNCED]
     return "".join(f"{item};" for item in items)
 
 
-def _abi(ctype: str) -> str:
-    """How the compiled library reports a ``CTYPES`` type (``TypeCode`` in the header)."""
-    return "int64" if ctype == "ssize" else ctype  # (64-bit platforms only)
+def _signature(returns: str, args: Signature) -> str:
+    """A function's types as the compiled library reports them (``Signature``
+    in the header): intptr_t is int64 (64-bit platforms only), a pointer is a
+    pointer, but for text and the callback."""
+    abi = {"ssize": "int64", "words": "pointer"}
+    return f"{abi.get(returns, returns)}({','.join(abi.get(t, t) for _, t in args)})"
 
 
 def header() -> str:
@@ -394,7 +420,8 @@ def header() -> str:
         f'"announce.{name}({ANNOUNCED_SAMPLE})=", AnnouncedAt({ANNOUNCED_SAMPLE}).{name}'
         for name in ANNOUNCED
     ]
-    report += ['"callback=", Signature<Resolve>::Of()', '"init=", Signature<Init>::Of()']
+    report += ['"callback=", Signature<Resolve>::Of()']
+    report += [f'"export.{name}=", Signature<decltype(&::{name})>::Of()' for name in EXPORTS]
     lines = "\n".join(f"  Put(&out, {item});" for item in report)
     return f"""// Generated from mpi_strategy/_src/core/protocol.py when the kernels are built.
 #pragma once
@@ -422,9 +449,18 @@ constexpr int kAnnounceTag = {ANNOUNCE_TAG};
 
 {_attrs_cxx()}
 
-// Python's answer on a kernel's error path, and the library's init.
-using Resolve = {_function_cxx("int32", CALLBACK)};
-using Init = {_function_cxx("const_text", INIT)};
+// Python's answer on a kernel's error path.
+using Resolve = {_function_cxx("int32", CALLBACK, "(*)")};
+
+}}  // namespace protocol
+
+// The library's functions Python calls: a definition of other arguments
+// does not compile (a C function declared twice).
+extern "C" {{
+{_exports_cxx()}
+}}
+
+namespace protocol {{
 
 {_layout_cxx(TRACE)}
 {_layout_cxx(BAD_SPLITS)}
@@ -445,15 +481,24 @@ inline void Put(std::string* out, const char* name, const std::string& value) {{
   *out += name + value + ";";
 }}
 
-// A type as protocol.CTYPES names it (protocol._abi).
+// A type as protocol.CTYPES names it (protocol._signature).
 template <typename T>
 std::string TypeCode() {{
-  if (std::is_same<T, Resolve>::value) return "resolve";
-  if (std::is_same<T, const char*>::value) return "const_text";
-  if (std::is_same<T, char*>::value) return "text";
-  if (std::is_pointer<T>::value) return "pointer";
-  if (std::is_floating_point<T>::value) return "double";
-  return "int" + std::to_string(8 * sizeof(T));
+  if constexpr (std::is_void<T>::value) {{
+    return "void";
+  }} else if constexpr (std::is_same<T, Resolve>::value) {{
+    return "resolve";
+  }} else if constexpr (std::is_same<T, const char*>::value) {{
+    return "const_text";
+  }} else if constexpr (std::is_same<T, char*>::value) {{
+    return "text";
+  }} else if constexpr (std::is_pointer<T>::value) {{
+    return "pointer";
+  }} else if constexpr (std::is_floating_point<T>::value) {{
+    return "double";
+  }} else {{
+    return "int" + std::to_string(8 * sizeof(T));
+  }}
 }}
 template <typename F>
 struct Signature;
@@ -515,9 +560,13 @@ inline std::string AttrName(const AttrSpec& attr) {{
 }}"""
 
 
-def _function_cxx(returns: str, signature: Signature) -> str:
-    args = ", ".join(f"{CTYPES[t]} {name}" for name, t in signature)
-    return f"{CTYPES[returns]} (*)({args})"
+def _function_cxx(returns: str, signature: Signature, name: str) -> str:
+    args = ", ".join(f"{CTYPES[t]} {arg}" for arg, t in signature)
+    return f"{CTYPES[returns]} {name}({args})"
+
+
+def _exports_cxx() -> str:
+    return "\n".join(f"{_function_cxx(f.returns, f.args, name)};" for name, f in EXPORTS.items())
 
 
 def _layout_cxx(layout: Layout) -> str:

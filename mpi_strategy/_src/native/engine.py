@@ -93,9 +93,9 @@ class Kernels:
         self.ops = _CheckedOps(tf.load_op_library(str(path)))
         library = ctypes.CDLL(str(path))
         check_protocol(library, path)
-        init = library.mpi_strategy_native_init
-        init.argtypes = [_CTYPES[t] for _, t in protocol.INIT]
-        init.restype = ctypes.c_char_p
+        for name, function in protocol.EXPORTS.items():  # (as compiled: check_protocol)
+            getattr(library, name).argtypes = [_CTYPES[t] for _, t in function.args]
+            getattr(library, name).restype = _CTYPES[function.returns]
         given = {
             "mpi4py_library": mpi4py.MPI.__file__.encode(),
             "in_place": int(MPI.IN_PLACE),
@@ -104,16 +104,13 @@ class Kernels:
             "max": as_int64(MPI.MAX.handle),
             "resolve": _resolve_callback,
         }
-        missing = init(*[given[name] for name, _ in protocol.INIT])
+        init = protocol.EXPORTS["mpi_strategy_native_init"]
+        missing = library.mpi_strategy_native_init(*[given[name] for name, _ in init.args])
         if missing is not None:
             raise Unavailable(
                 f"the MPI library mpi4py loaded ({mpi4py.MPI.__file__}) lacks "
                 f"{missing.decode()} (or was not found)"
             )
-        library.mpi_strategy_state_open.argtypes = [ctypes.c_int64, ctypes.c_int64]
-        library.mpi_strategy_state_open.restype = ctypes.c_void_p
-        library.mpi_strategy_state_close.argtypes = [ctypes.c_int64]
-        library.mpi_strategy_states_open.restype = ctypes.c_int64
         self._library = library
 
     def open_state(self, engine: int, words: int) -> np.ndarray:
@@ -536,12 +533,14 @@ def record_width(collectives: ArrayCollectives) -> int:
 
 # protocol.CTYPES as ctypes and numpy know them ("text": an address to write to).
 _CTYPES: dict[str, Any] = {
+    "void": None,
     "int32": ctypes.c_int,
     "int64": ctypes.c_int64,
     "ssize": ctypes.c_ssize_t,
     "pointer": ctypes.c_void_p,
     "text": ctypes.c_void_p,
     "const_text": ctypes.c_char_p,
+    "words": ctypes.c_void_p,  # (an address, viewed as int64 by open_state)
 }
 _NUMPY = {"int64": np.int64, "double": np.float64}
 _Resolve = ctypes.CFUNCTYPE(ctypes.c_int, *[_CTYPES[t] for _, t in protocol.CALLBACK])

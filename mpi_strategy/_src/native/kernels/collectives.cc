@@ -261,5 +261,3 @@ extern "C" const char* mpi_strategy_native_init(const char* mpi4py_library, intp
   resolve = callback;
   return nullptr;
 }
-static_assert(std::is_same<decltype(&mpi_strategy_native_init), Init>::value,
-              "mpi_strategy_native_init's arguments are protocol.INIT's");
