@@ -151,7 +151,7 @@ def check_protocol(library: ctypes.CDLL, path: object) -> None:
     if differ:
         raise Unavailable(
             f"the kernels at {path} speak another wire protocol than core/protocol.py "
-            f"({'; '.join(differ[:4])}): rebuild them (remove the file)"
+            f"({'; '.join(differ)}): rebuild them (remove the file)"
         )
 
 
