@@ -5,7 +5,11 @@ sends a fixed-size *record*, an int64 *signature* (``Field``) followed by
 carried data, and the ranks compare what must agree. The Python engine
 (``collectives.py``) and the compiled kernels (``native/kernels/``) must
 build, send and read these bytes alike, so that a rank on one meets a rank on
-the other. This module is the one place those rules are written: the C++
+the other; and the kernels and Python must agree on the ops' attributes
+(``ATTRS``), the callback's signature and the library's functions (``CALLBACK``,
+``EXPORTS``), the
+data an event hands Python (``TRACE``, ``BAD_SPLITS``) and the announcements'
+offsets (``announced``). This module is the one place those rules are written: the C++
 side includes ``header()``, generated from these constants when the kernels
 are built, and the loader refuses a library whose compiled constants
 (``mpi_strategy_protocol()`` in it) differ from ``fingerprint()``.
@@ -23,7 +27,7 @@ import functools
 import math
 import zlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -107,6 +111,141 @@ ANNOUNCE_TAG = 7
 # record costs O(ranks) bytes per rank, which the cost model shows at
 # thousands of ranks. Every record is gathered only to explain a disagreement.
 HASHED_ABOVE = 1024
+
+
+class Attr(NamedTuple):
+    """An int64 attribute of every kernel's op: what tracing fixes (``Site``)."""
+
+    name: str
+    default: int | None = None  # None: every call passes it
+    # The op types whose kernels read it: a call of them must pass it, even
+    # when it has a default (which only the other ops may leave to C++).
+    ops: tuple[str, ...] = ()
+
+    def spec(self) -> str:
+        """As TensorFlow's op definition declares it."""
+        return f"{self.name}: int" + ("" if self.default is None else f" = {self.default}")
+
+
+_REDUCING = ("MpiStrategyAllreduce", "MpiStrategyReducescatter")
+ATTRS = (
+    Attr("engine"),  # the communicator (NativeComm.id)
+    Attr("site"),  # the shapes the agreement compares (their index)
+    Attr("kind"),  # the signature's static fields (``layout``)
+    Attr("dtype_code"),
+    Attr("count"),
+    Attr("tensors"),
+    Attr("layout"),
+    Attr("root", 0, ("MpiStrategyBroadcast",)),
+    Attr("op", 0, ("MpiStrategyAllreduce",)),  # a reduction's ``Op``
+    Attr("mpi_dtype", 0, _REDUCING),  # MPI handles of the reduction
+    Attr("mpi_op", 0, _REDUCING),
+    Attr("contiguous", 0, ("MpiStrategyAllreduce",)),  # 1: tensors packed back to back
+    Attr("timed", 0),  # 1: the agreement's exchange gives up after timeout_bits
+    Attr("timeout_bits", 0),  # the timeout's seconds, the bits of a double
+    Attr("trace", 0),  # a timeline records: the op name's number, else 0
+)
+
+
+# The C types of the callback's and the library's functions' arguments, and
+# of the events' data.
+CTYPES = {
+    "void": "void",
+    "int32": "int",
+    "int64": "int64_t",
+    "ssize": "intptr_t",
+    "double": "double",
+    "pointer": "void*",
+    "text": "char*",
+    "const_text": "const char*",
+    "words": "int64_t*",
+    "resolve": "protocol::Resolve",
+}
+Signature = tuple[tuple[str, str], ...]  # (name, CTYPES key) of each argument
+# Python's answer on a kernel's error path (native/engine.py ``_resolve``),
+# returning int32: 0 to go on, else a TF_Code with the message written.
+CALLBACK: Signature = (
+    ("engine", "int64"),
+    ("event", "int64"),  # an Event
+    ("site", "int64"),
+    ("received", "pointer"),  # the event's data
+    ("value", "int64"),
+    ("message", "text"),
+    ("capacity", "int64"),
+)
+
+
+class Function(NamedTuple):
+    """A C function of the library that Python calls (ctypes)."""
+
+    returns: str  # a CTYPES key
+    args: Signature
+
+
+EXPORTS = {
+    # Once, before any kernel runs: where MPI is, the handles that differ
+    # between MPI libraries, the way back to Python. NULL, or what is missing.
+    "mpi_strategy_native_init": Function(
+        "const_text",
+        (
+            ("mpi4py_library", "const_text"),
+            ("in_place", "ssize"),
+            ("byte", "ssize"),
+            ("int64", "ssize"),
+            ("max", "ssize"),
+            ("resolve", "resolve"),
+        ),
+    ),
+    # A communicator's shared block (kernels/shared_state.cc).
+    "mpi_strategy_state_open": Function("words", (("engine", "int64"), ("words", "int64"))),
+    "mpi_strategy_state_close": Function("void", (("engine", "int64"),)),
+    "mpi_strategy_states_open": Function("int64", ()),
+}
+
+
+class Layout(NamedTuple):
+    """A C struct of 8-byte words (``CTYPES`` "int64" or "double") that a kernel
+    hands Python with an event (``received``)."""
+
+    struct: str  # its name in C++
+    fields: Signature
+
+
+# Event.TRACE: a kernel's run for the timeline (value: the op name's number).
+TRACE = Layout(
+    "TraceReport",
+    (
+        ("started", "double"),  # time.perf_counter's clock
+        ("agreed", "double"),
+        ("ended", "double"),
+        ("bytes", "int64"),  # given to it
+        ("tensors", "int64"),  # as the Python engine counts them
+        ("seq", "int64"),  # the collective's number
+    ),
+)
+# Event.BAD_SPLITS (value: the words in all): this head, then this rank's k
+# splits, then every rank's splits and whether they fit (size rows of size + 1).
+BAD_SPLITS = Layout("BadSplitsHead", (("rows", "int64"), ("k", "int64")))
+
+
+class Announced(NamedTuple):
+    """Where the announcements' words are (``timeouts.Announcements.shared``,
+    after ``State`` in a communicator's block), in int64 words from its start."""
+
+    last_seen: int  # the last collective each rank entered (size of them)
+    number: int  # the kernels' outgoing number
+    requests: int  # the kernels' pending send requests (size of them; 0: none)
+    words: int  # in all
+
+
+# Each of Announced's offsets as (a, b): a * size + b on a communicator of size ranks.
+ANNOUNCED = {"last_seen": (0, 0), "number": (1, 0), "requests": (1, 1), "words": (2, 1)}
+ANNOUNCED_SAMPLE = 3  # the size at which the loader compares the compiled offsets
+
+
+def announced(size: int) -> Announced:
+    """The announcements' offsets on a communicator of ``size`` ranks."""
+    return Announced(**{name: a * size + b for name, (a, b) in ANNOUNCED.items()})
 
 
 def record_bytes(size: int) -> int:
@@ -232,7 +371,24 @@ def fingerprint() -> str:
     items += [f"fnv.offset={FNV_OFFSET}", f"fnv.prime={FNV_PRIME}"]
     items += [f"align.pack={PACK_ALIGN}", f"align.piece={PIECE_ALIGN}"]
     items += [f"announce.tag={ANNOUNCE_TAG}"]
+    items += [f"attr.{a.name}={'required' if a.default is None else a.default}" for a in ATTRS]
+    items += [f"attrs={len(ATTRS)}"]
+    items += [f"callback={_signature('int32', CALLBACK)}"]
+    items += [f"export.{name}={_signature(f.returns, f.args)}" for name, f in EXPORTS.items()]
+    for prefix, layout in (("trace", TRACE), ("bad_splits", BAD_SPLITS)):
+        items += [f"{prefix}.{name}={i}:{t}" for i, (name, t) in enumerate(layout.fields)]
+        items += [f"{prefix}.words={len(layout.fields)}"]
+    sample = announced(ANNOUNCED_SAMPLE)
+    items += [f"announce.{name}({ANNOUNCED_SAMPLE})={getattr(sample, name)}" for name in ANNOUNCED]
     return "".join(f"{item};" for item in items)
+
+
+def _signature(returns: str, args: Signature) -> str:
+    """A function's types as the compiled library reports them (``Signature``
+    in the header): intptr_t is int64 (64-bit platforms only), a pointer is a
+    pointer, but for text and the callback."""
+    abi = {"ssize": "int64", "words": "pointer"}
+    return f"{abi.get(returns, returns)}({','.join(abi.get(t, t) for _, t in args)})"
 
 
 def header() -> str:
@@ -253,12 +409,26 @@ def header() -> str:
     report += ['"fnv.offset=", kFnvOffset', '"fnv.prime=", kFnvPrime']
     report += ['"align.pack=", kPackAlign', '"align.piece=", kPieceAlign']
     report += ['"announce.tag=", kAnnounceTag']
+    for prefix, layout in (("trace", TRACE), ("bad_splits", BAD_SPLITS)):
+        report += [
+            f'"{prefix}.{name}=", Word<decltype({layout.struct}::{name})>('
+            f"offsetof({layout.struct}, {name}))"
+            for name, _ in layout.fields
+        ]
+        report += [f'"{prefix}.words=", sizeof({layout.struct}) / 8']
+    report += [
+        f'"announce.{name}({ANNOUNCED_SAMPLE})=", AnnouncedAt({ANNOUNCED_SAMPLE}).{name}'
+        for name in ANNOUNCED
+    ]
+    report += ['"callback=", Signature<Resolve>::Of()']
+    report += [f'"export.{name}=", Signature<decltype(&::{name})>::Of()' for name in EXPORTS]
     lines = "\n".join(f"  Put(&out, {item});" for item in report)
     return f"""// Generated from mpi_strategy/_src/core/protocol.py when the kernels are built.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 namespace protocol {{
 
@@ -277,20 +447,131 @@ constexpr uint64_t kFnvOffset = {FNV_OFFSET}ull, kFnvPrime = {FNV_PRIME}ull;
 constexpr int64_t kPackAlign = {PACK_ALIGN}, kPieceAlign = {PIECE_ALIGN};
 constexpr int kAnnounceTag = {ANNOUNCE_TAG};
 
+{_attrs_cxx()}
+
+// Python's answer on a kernel's error path.
+using Resolve = {_function_cxx("int32", CALLBACK, "(*)")};
+
+}}  // namespace protocol
+
+// The library's functions Python calls: a definition of other arguments
+// does not compile (a C function declared twice).
+extern "C" {{
+{_exports_cxx()}
+}}
+
+namespace protocol {{
+
+{_layout_cxx(TRACE)}
+{_layout_cxx(BAD_SPLITS)}
+
+// The announcements' words after State (offsets in int64 words from their start).
+struct Announced {{
+  int64_t {", ".join(ANNOUNCED)};
+}};
+constexpr Announced AnnouncedAt(int64_t size) {{
+  return {{{", ".join(f"{a} * size + {b}" for a, b in ANNOUNCED.values())}}};
+}}
+
 template <typename T>
 void Put(std::string* out, const char* name, T value) {{
   *out += name + std::to_string(value) + ";";
+}}
+inline void Put(std::string* out, const char* name, const std::string& value) {{
+  *out += name + value + ";";
+}}
+
+// A type as protocol.CTYPES names it (protocol._signature).
+template <typename T>
+std::string TypeCode() {{
+  if constexpr (std::is_void<T>::value) {{
+    return "void";
+  }} else if constexpr (std::is_same<T, Resolve>::value) {{
+    return "resolve";
+  }} else if constexpr (std::is_same<T, const char*>::value) {{
+    return "const_text";
+  }} else if constexpr (std::is_same<T, char*>::value) {{
+    return "text";
+  }} else if constexpr (std::is_pointer<T>::value) {{
+    return "pointer";
+  }} else if constexpr (std::is_floating_point<T>::value) {{
+    return "double";
+  }} else {{
+    return "int" + std::to_string(8 * sizeof(T));
+  }}
+}}
+template <typename F>
+struct Signature;
+template <typename R, typename... A>
+struct Signature<R (*)(A...)> {{
+  static std::string Of() {{
+    std::string args;
+    ((args += (args.empty() ? "" : ",") + TypeCode<A>()), ...);
+    return TypeCode<R>() + "(" + args + ")";
+  }}
+}};
+// A field of a layout: its offset in words, and its type.
+template <typename T>
+std::string Word(size_t offset) {{
+  return std::to_string(offset / 8) + ":" + TypeCode<T>();
+}}
+
+// "attr.<name>=<default, or required>" for each attribute ops declare.
+inline void PutAttrs(std::string* out) {{
+  for (const AttrSpec& attr : kAttrs) {{
+    const std::string spec = attr.spec;
+    const size_t equals = spec.find(" = ");
+    Put(out, ("attr." + AttrName(attr) + "=").c_str(),
+        equals == std::string::npos ? std::string("required") : spec.substr(equals + 3));
+  }}
+  Put(out, "attrs=", sizeof(kAttrs) / sizeof(kAttrs[0]));
 }}
 
 // The constants as compiled (protocol.fingerprint()'s format).
 inline std::string Describe() {{
   std::string out;
 {lines}
+  PutAttrs(&out);
   return out;
 }}
 
 }}  // namespace protocol
 """
+
+
+def _attrs_cxx() -> str:
+    """The attributes: their values (``Attrs``), and how ops declare them
+    (``kAttrs``: TensorFlow's spec, and where its value goes)."""
+    fields = "\n".join(f"  int64_t {a.name} = {a.default or 0};" for a in ATTRS)
+    specs = "\n".join(f'    {{"{a.spec()}", &Attrs::{a.name}}},' for a in ATTRS)
+    return f"""struct Attrs {{
+{fields}
+}};
+struct AttrSpec {{
+  const char* spec;
+  int64_t Attrs::*field;
+}};
+constexpr AttrSpec kAttrs[] = {{
+{specs}
+}};
+inline std::string AttrName(const AttrSpec& attr) {{
+  const std::string spec = attr.spec;
+  return spec.substr(0, spec.find(':'));
+}}"""
+
+
+def _function_cxx(returns: str, signature: Signature, name: str) -> str:
+    args = ", ".join(f"{CTYPES[t]} {arg}" for arg, t in signature)
+    return f"{CTYPES[returns]} {name}({args})"
+
+
+def _exports_cxx() -> str:
+    return "\n".join(f"{_function_cxx(f.returns, f.args, name)};" for name, f in EXPORTS.items())
+
+
+def _layout_cxx(layout: Layout) -> str:
+    fields = "\n".join(f"  {CTYPES[t]} {name};" for name, t in layout.fields)
+    return f"struct {layout.struct} {{\n{fields}\n}};"
 
 
 def _camel(name: str) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
+from mpi_strategy._src.core import protocol
 from mpi_strategy._src.core.protocol import ANNOUNCE_TAG, as_int64
 
 
@@ -31,9 +32,9 @@ class Announcements:
 
     ``shared`` (int64, ``words`` of them; none when disabled), which the
     native kernels read and write too (it follows ``protocol.State`` in the
-    agreement's block): the last collective each rank entered (``size`` of
-    them), then the kernels' outgoing number and their pending send requests
-    (one per rank, 0 for none).
+    agreement's block; ``protocol.announced`` places its parts): the last
+    collective each rank entered (``size`` of them), then the kernels'
+    outgoing number and their pending send requests (one per rank, 0 for none).
     """
 
     def __init__(self, comm: MPI.Intracomm, enabled: bool) -> None:
@@ -41,14 +42,16 @@ class Announcements:
         self._comm = comm.Dup() if enabled and self._size > 1 else None
         if self._comm is not None:  # freed with this object (not at exit)
             weakref.finalize(self, self._comm.Free).atexit = False
-        self.words = 0 if self._comm is None else 2 * self._size + 1
+        self._at = protocol.announced(self._size)
+        self.words = 0 if self._comm is None else self._at.words
         self.use(np.zeros(self.words, np.int64))
         self._sends: list[tuple[MPI.Request, np.ndarray]] = []
 
     def use(self, shared: np.ndarray) -> None:
         """Keeps the announcements in ``shared`` (``words`` int64) from now on."""
         self.shared = shared
-        self._last_seen = shared[: self._size]  # last collective each rank entered
+        at = self._at.last_seen  # (the last collective each rank entered)
+        self._last_seen = shared[at : at + self._size]
 
     def announce(self, seq: int) -> None:
         """Tells every other rank that this rank enters collective ``seq``."""

@@ -19,13 +19,14 @@ the messages and chooses the error classes of the Python engine.
 from __future__ import annotations
 
 import ctypes
+import inspect
 import itertools
 import os
 import re
 import secrets
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,30 +92,27 @@ class Kernels:
             )
         path = build.library()
         # TensorFlow first: it takes the ops registered while it loads the library.
-        self.ops = tf.load_op_library(str(path))
+        self.ops = _CheckedOps(tf.load_op_library(str(path)))
         library = ctypes.CDLL(str(path))
         check_protocol(library, path)
-        init = library.mpi_strategy_native_init
-        handle = ctypes.c_ssize_t
-        init.argtypes = [ctypes.c_char_p, handle, handle, handle, handle, _Resolve]
-        init.restype = ctypes.c_char_p
-        missing = init(
-            mpi4py.MPI.__file__.encode(),
-            int(MPI.IN_PLACE),
-            as_int64(MPI.BYTE.handle),
-            as_int64(MPI.INT64_T.handle),
-            as_int64(MPI.MAX.handle),
-            _resolve_callback,
-        )
+        for name, function in protocol.EXPORTS.items():  # (as compiled: check_protocol)
+            getattr(library, name).argtypes = [_CTYPES[t] for _, t in function.args]
+            getattr(library, name).restype = _CTYPES[function.returns]
+        given = {
+            "mpi4py_library": mpi4py.MPI.__file__.encode(),
+            "in_place": int(MPI.IN_PLACE),
+            "byte": as_int64(MPI.BYTE.handle),
+            "int64": as_int64(MPI.INT64_T.handle),
+            "max": as_int64(MPI.MAX.handle),
+            "resolve": _resolve_callback,
+        }
+        init = protocol.EXPORTS["mpi_strategy_native_init"]
+        missing = library.mpi_strategy_native_init(*[given[name] for name, _ in init.args])
         if missing is not None:
             raise Unavailable(
                 f"the MPI library mpi4py loaded ({mpi4py.MPI.__file__}) lacks "
                 f"{missing.decode()} (or was not found)"
             )
-        library.mpi_strategy_state_open.argtypes = [ctypes.c_int64, ctypes.c_int64]
-        library.mpi_strategy_state_open.restype = ctypes.c_void_p
-        library.mpi_strategy_state_close.argtypes = [ctypes.c_int64]
-        library.mpi_strategy_states_open.restype = ctypes.c_int64
         self._library = library
 
     def open_state(self, engine: int, words: int) -> np.ndarray:
@@ -145,8 +143,8 @@ def check_protocol(library: ctypes.CDLL, path: object) -> None:
     if hasattr(library, "mpi_strategy_protocol"):  # (else built before it was checked)
         library.mpi_strategy_protocol.restype = ctypes.c_char_p
         reported = library.mpi_strategy_protocol() or b""
-    theirs = dict(item.split("=") for item in reported.decode().split(";") if item)
-    ours = dict(item.split("=") for item in protocol.fingerprint().split(";") if item)
+    theirs = dict(item.split("=", 1) for item in reported.decode().split(";") if item)
+    ours = dict(item.split("=", 1) for item in protocol.fingerprint().split(";") if item)
     differ = [
         f"{name}: {theirs.get(name, 'missing')} there, {ours.get(name, 'missing')} here"
         for name in sorted(set(theirs) | set(ours))
@@ -155,8 +153,54 @@ def check_protocol(library: ctypes.CDLL, path: object) -> None:
     if differ:
         raise Unavailable(
             f"the kernels at {path} speak another wire protocol than core/protocol.py "
-            f"({'; '.join(differ[:4])}): rebuild them (remove the file)"
+            f"({'; '.join(differ)}): rebuild them (remove the file)"
         )
+
+
+class _CheckedOps:
+    """The library's op wrappers, each call's attributes checked against
+    ``protocol.ATTRS`` first (at trace time): an attribute C++ does not know,
+    or one the op's kernel reads left out (which would silently be its
+    default, e.g. a broadcast from rank 0), raises ``MPIStrategyError``."""
+
+    def __init__(self, ops: Any) -> None:
+        self._ops = ops
+
+    def __getattr__(self, wrapper: str) -> Any:
+        op = getattr(self._ops, wrapper)
+        op_type = "".join(part.capitalize() for part in wrapper.split("_"))
+        # The wrapper's arguments: the op's inputs, its attributes, "name".
+        attrs = {a.name for a in protocol.ATTRS}
+        inputs = set(inspect.signature(op).parameters) - attrs
+        needed = _needed(op_type)
+
+        def checked(**kwargs: Any) -> Any:
+            given = kwargs.keys() - inputs
+            if not given <= attrs or not needed <= given:
+                check_attrs(op_type, given)
+            return op(**kwargs)
+
+        setattr(self, wrapper, checked)  # (found directly from now on)
+        return checked
+
+
+def check_attrs(op_type: str, given: Set[str]) -> None:
+    """Raises ``MPIStrategyError`` unless ``given``, the attributes a call of
+    ``op_type`` passes, are ``protocol.ATTRS`` and include each one its kernel
+    reads (every attribute without a default, and those naming ``op_type``)."""
+    unknown = sorted(given - {a.name for a in protocol.ATTRS})
+    missing = sorted(_needed(op_type) - given)
+    said = [f"{what}: {n}" for what, n in (("not there", unknown), ("left out", missing)) if n]
+    if said:
+        raise MPIStrategyError(
+            f"mpi_strategy: every rank tracing a native {op_type} op: its attributes differ "
+            f"from core/protocol.py ATTRS ({'; '.join(said)})."
+        )
+
+
+def _needed(op_type: str) -> set[str]:
+    """The attributes every call of ``op_type`` passes."""
+    return {a.name for a in protocol.ATTRS if a.default is None or op_type in a.ops}
 
 
 def kernels() -> Kernels | None:
@@ -334,13 +378,13 @@ def _answer(
         raise error
     elif event == Event.BAD_SPLITS:
         raise _bad_splits(collectives, received, value)
-    elif event == Event.TRACE:  # (received: 3 doubles, 3 int64; value: the name's number)
-        told = np.ctypeslib.as_array((ctypes.c_int64 * 6).from_address(received)).copy()
-        times = told[:3].view(np.float64).tolist()
+    elif event == Event.TRACE:  # (received: protocol.TRACE; value: the name's number)
+        told = _read(protocol.TRACE, received)
         trace = timeline.current()
         if trace is not None:
             name = _native().names[value - 1]
-            collectives.record(trace, name, (times[0], times[1], times[2]), *told[3:5].tolist())
+            times = (float(told["started"]), float(told["agreed"]), float(told["ended"]))
+            collectives.record(trace, name, times, int(told["bytes"]), int(told["tensors"]))
     elif event == Event.TIMEOUT:  # (received: this rank's record; value: the timeout's bits)
         mine = np.ctypeslib.as_array((ctypes.c_int64 * len(Field)).from_address(received))
         timeout = float(np.array(value, np.int64).view(np.float64))
@@ -355,26 +399,38 @@ def _answer(
 
 def _bad_splits(collectives: ArrayCollectives, address: int, length: int) -> Exception:
     """``ArrayCollectives.bad_splits`` from the kernel's int64 array at ``address``
-    (``length`` of them): this rank's rows, its k splits, then every rank's
-    splits and whether they fit (size rows of size + 1)."""
+    (``length`` of them): ``protocol.BAD_SPLITS`` (this rank's rows, k), its k
+    splits, then every rank's splits and whether they fit (size rows of size + 1)."""
+    head = _read(protocol.BAD_SPLITS, address)
+    rows, k = int(head["rows"]), int(head["k"])
     values = np.ctypeslib.as_array((ctypes.c_int64 * length).from_address(address)).copy()
-    rows, k = int(values[0]), int(values[1])
-    matrix = values[2 + k :].reshape(collectives.size, collectives.size + 1)
-    return collectives.bad_splits(matrix, values[2 : 2 + k].tolist(), rows)
+    splits = values[len(protocol.BAD_SPLITS.fields) :]
+    matrix = splits[k:].reshape(collectives.size, collectives.size + 1)
+    return collectives.bad_splits(matrix, splits[:k].tolist(), rows)
+
+
+def _read(layout: protocol.Layout, address: int) -> np.void:
+    """The struct ``layout`` a kernel wrote at ``address``, by field name."""
+    dtype = np.dtype([(name, _NUMPY[t]) for name, t in layout.fields])
+    return np.frombuffer(ctypes.string_at(address, dtype.itemsize), dtype)[0]
 
 
 def record_width(collectives: ArrayCollectives) -> int:
     return int(collectives.agreement.state[State.RECORD_BYTES])
 
 
-_Resolve = ctypes.CFUNCTYPE(
-    ctypes.c_int,
-    ctypes.c_int64,
-    ctypes.c_int64,
-    ctypes.c_int64,
-    ctypes.c_void_p,
-    ctypes.c_int64,
-    ctypes.c_void_p,
-    ctypes.c_int64,
-)
+# protocol.CTYPES as ctypes and numpy know them ("text": an address to write to).
+_CTYPES: dict[str, Any] = {
+    "void": None,
+    "int32": ctypes.c_int,
+    "int64": ctypes.c_int64,
+    "ssize": ctypes.c_ssize_t,
+    "pointer": ctypes.c_void_p,
+    "text": ctypes.c_void_p,
+    "const_text": ctypes.c_char_p,
+    "words": ctypes.c_void_p,  # (an address, viewed as int64 by open_state)
+}
+_NUMPY = {"int64": np.int64, "double": np.float64}
+_Resolve = ctypes.CFUNCTYPE(ctypes.c_int, *[_CTYPES[t] for _, t in protocol.CALLBACK])
+_CTYPES["resolve"] = _Resolve
 _resolve_callback = _Resolve(_resolve)

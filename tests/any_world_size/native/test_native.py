@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_strategy._src.core.protocol import State
+from mpi_strategy._src.core.protocol import ATTRS, State
 from mpi_strategy._src.distribute.engines import Collective
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.native import engine as native_engine
-from mpi_strategy.errors import CollectiveMismatchError
+from mpi_strategy.errors import CollectiveMismatchError, MPIStrategyError
 from mpi_testing import (
     NATIVE_OP_TYPES,
     RANK,
@@ -352,6 +352,27 @@ def test_a_graph_from_another_process_finds_no_communicator_here(protocol):
         with pytest.raises(tf.errors.UnknownError, match="a communicator that is gone"):
             session.run(result, {feed: [1.0, 1.0]})
     np.testing.assert_array_equal(ordered.allreduce_sum(tf.ones([2])), [SIZE, SIZE])
+
+
+def test_a_native_op_without_an_attribute_its_kernel_reads_raises_while_tracing(engines):
+    # A broadcast's root has a C++ default (0): left out, the kernel would
+    # broadcast from rank 0. Each call is checked against protocol.ATTRS.
+    ops = native_engine.kernels().ops
+    required = {attr.name: 1 for attr in ATTRS if attr.default is None}
+
+    def trace_broadcast(**attrs):
+        op = tf.function(autograph=False)(
+            lambda: ops.mpi_strategy_broadcast(
+                token=tf.constant(0, tf.int64), input=tf.zeros([2]), **required, **attrs
+            )
+        )
+        return op.get_concrete_function()  # (traced only: nothing runs)
+
+    trace_broadcast(root=1)
+    with pytest.raises(MPIStrategyError, match=r"MpiStrategyBroadcast .*left out: \['root'\]"):
+        trace_broadcast()
+    with pytest.raises(MPIStrategyError, match=r"not there: \['roots'\]"):
+        trace_broadcast(root=1, roots=1)
 
 
 def test_the_engine_in_use_is_reported():

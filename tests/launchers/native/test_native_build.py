@@ -73,10 +73,39 @@ def test_an_explicit_choice_that_cannot_be_met_fails_every_rank(tmp_path, value,
     assert out.count(says) == 2, out[-3000:]
 
 
+# Each check of the load-time comparison: what the refusal says when the C++
+# header drifted (tests/programs/protocol_drift.py CXX_DRIFTS), and when
+# core/protocol.py drifted after the build (PYTHON_DRIFTS).
+REFUSALS = {
+    "align": ("align.piece: 16 there, 8 here", "align.piece: 8 there, 16 here"),
+    "attribute default": ("attr.root: 1 there, 0 here", "attr.root: 0 there, 1 here"),
+    "attribute list": ("attr.mpi_op: missing there, 0 here", "attr.extra: missing there, 0 here"),
+    "trace layout": ("trace.bytes: 4:int64 there, 3:int64 here", "trace.bytes: 3:int64 there, 4:"),
+    "bad-splits layout": (
+        "bad_splits.k: 0:int64 there, 1:int64 here",
+        "bad_splits.k: 1:int64 there, 0:",
+    ),
+    "callback": (
+        "callback: int32(int64,int64,int64,pointer,int64,text,int32) there",
+        ",int64,int64) here",
+    ),
+    "exports": (
+        "mpi_strategy_state_open(int64_t, int)",
+        "export.mpi_strategy_state_close: void(int64) there, int64(int64) here",
+    ),
+    "announcements": (
+        "announce.requests(3): 3 there, 4 here",
+        "announce.requests(3): 4 there, 5 here",
+    ),
+}
+
+
 @pytest.mark.single_process
 def test_a_library_of_another_wire_protocol_is_refused_at_load(tmp_path):
-    # One constant changed on each side: in the C++ header the kernels were
-    # built with, and in core/protocol.py after they were built.
+    # For each check, one item changed on each side: in the C++ header the
+    # kernels were built with (all in one build, each named in its refusal; the
+    # library's functions: a build error instead, a C function declared twice,
+    # in a build of its own), and in core/protocol.py after they were built.
     def drift(*args):
         argv = [sys.executable, os.path.join(PROGRAMS, "protocol_drift.py"), *map(str, args)]
         result = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -84,8 +113,10 @@ def test_a_library_of_another_wire_protocol_is_refused_at_load(tmp_path):
         return dict(line.split(": ", 1) for line in result.stdout.splitlines())
 
     said = {**drift("cxx", tmp_path), **drift("python")}
-    assert said["unchanged"] == "accepted", said
-    assert said["C++ side changed"].startswith("refused:"), said
-    assert "align.piece: 16 there, 8 here" in said["C++ side changed"], said
-    assert said["Python side changed"].startswith("refused:"), said
-    assert "align.piece: 8 there, 16 here" in said["Python side changed"], said
+    assert said["unchanged"] == said["unchanged again"] == "accepted", said
+    for check, (cxx, python) in REFUSALS.items():
+        for side, says in (("C++", cxx), ("Python", python)):
+            if says is not None:
+                case = check if side == "Python" or check == "exports" else "compiled"
+                told = said[f"{side} side changed ({case})"]
+                assert told.startswith(("refused:", "not built:")) and says in told, told

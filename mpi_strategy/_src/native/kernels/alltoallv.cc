@@ -44,14 +44,18 @@ bool Matrix(TF_OpKernelContext* ctx, const Site& site, const std::vector<int64_t
 }
 
 // Python's error when some rank's splits do not cut its tensor (false), from
-// (rows, k, this rank's k splits, the matrix); else true.
+// (protocol.BAD_SPLITS: rows, k, then this rank's k splits, then the matrix); else true.
 bool SplitsFit(TF_OpKernelContext* ctx, const Site& site, const std::vector<int64_t>& matrix,
                const int64_t* splits, int64_t k, int64_t rows) {
   const int64_t size = site.state->size;
   bool fit = true;
   for (int64_t r = 0; r < size; ++r) fit &= matrix[r * (size + 1) + size] != 0;
   if (fit) return true;
-  std::vector<int64_t> told = {rows, k};
+  std::vector<int64_t> told(sizeof(BadSplitsHead) / 8);
+  BadSplitsHead head{};
+  head.rows = rows;
+  head.k = k;
+  std::memcpy(told.data(), &head, sizeof(head));
   told.insert(told.end(), splits, splits + k);
   told.insert(told.end(), matrix.begin(), matrix.end());
   AskPython(ctx, site, kBadSplits, static_cast<int64_t>(told.size()), told.data());

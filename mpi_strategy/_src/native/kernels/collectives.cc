@@ -14,10 +14,12 @@
 // messages and chooses the same error classes as the Python path.
 //
 // The wire protocol's constants (the signature's fields, the shared state's
-// layout, event and op codes, the hash's constants, alignments) are not
-// written here: they come from core/protocol.py, as the header the build
-// generates, and mpi_strategy_protocol() reports them as compiled, which the
-// loader compares with Python's before any kernel runs.
+// layout, event and op codes, the hash's constants, alignments, the ops'
+// attributes, the callback's and init's signatures, the events' data layouts,
+// the announcements' offsets) are not written here: they come from
+// core/protocol.py, as the header the build generates, and
+// mpi_strategy_protocol() reports them as compiled, which the loader compares
+// with Python's before any kernel runs.
 //
 // MPI is not linked: the kernel finds MPI's functions through the library
 // mpi4py loaded (dlopen RTLD_NOLOAD + dlsym), and takes every handle
@@ -66,22 +68,8 @@ int64_t Attr(TF_OpKernelConstruction* ctx, const char* name, TF_Status* status) 
 void* Create(TF_OpKernelConstruction* ctx) {
   TF_Status* status = TF_NewStatus();
   auto* site = new Site;
-  site->engine = Attr(ctx, "engine", status);
-  site->site = Attr(ctx, "site", status);
-  site->kind = Attr(ctx, "kind", status);
-  site->dtype_code = Attr(ctx, "dtype_code", status);
-  site->count = Attr(ctx, "count", status);
-  site->tensors = Attr(ctx, "tensors", status);
-  site->layout = Attr(ctx, "layout", status);
-  site->root = Attr(ctx, "root", status);
-  site->op = Attr(ctx, "op", status);
-  site->contiguous = Attr(ctx, "contiguous", status);
-  site->timed = Attr(ctx, "timed", status);
-  site->trace = Attr(ctx, "trace", status);
-  const int64_t bits = Attr(ctx, "timeout_bits", status);
-  std::memcpy(&site->timeout, &bits, sizeof(double));
-  site->mpi_dtype = static_cast<Handle>(Attr(ctx, "mpi_dtype", status));
-  site->mpi_op = static_cast<Handle>(Attr(ctx, "mpi_op", status));
+  for (const AttrSpec& attr : kAttrs) site->*attr.field = Attr(ctx, AttrName(attr).c_str(), status);
+  std::memcpy(&site->timeout, &site->timeout_bits, sizeof(double));
   if (TF_GetCode(status) != TF_OK) TF_OpKernelConstruction_Failure(ctx, status);
   TF_DeleteStatus(status);
   return site;
@@ -135,16 +123,17 @@ int64_t InputBytes(TF_OpKernelContext* ctx) {
   return nbytes;
 }
 
-// Python records (started, agreed, ended, bytes, tensors, collective): the
-// tensors as the Python engine counts them (small ones concatenated: one).
+// Python records the run (protocol.TRACE): the tensors as the Python engine
+// counts them (small ones concatenated: one).
 void Trace(TF_OpKernelContext* ctx, const Site& site, double started, int64_t nbytes) {
-  const double ended = Now();
-  int64_t told[6] = {0, 0, 0, nbytes, site.contiguous ? 1 : TF_NumInputs(ctx) - 1,
-                     site.state->seq};
-  std::memcpy(&told[0], &started, 8);
-  std::memcpy(&told[1], &site.agreed, 8);
-  std::memcpy(&told[2], &ended, 8);
-  AskPython(ctx, site, kTrace, site.trace, told);
+  TraceReport told{};
+  told.started = started;
+  told.agreed = site.agreed;
+  told.ended = Now();
+  told.bytes = nbytes;
+  told.tensors = site.contiguous ? 1 : TF_NumInputs(ctx) - 1;
+  told.seq = site.state->seq;
+  AskPython(ctx, site, kTrace, site.trace, &told);
 }
 
 int64_t ReadToken(TF_OpKernelContext* ctx, TF_Status* status) {
@@ -187,12 +176,6 @@ void UnknownShapes(TF_ShapeInferenceContext* ctx, TF_Status* status) {
   TF_ShapeInferenceContextSetUnknownShape(ctx, status);
 }
 
-const char* kIntAttrs[] = {"engine: int", "site: int", "kind: int", "dtype_code: int",
-                           "count: int", "tensors: int", "layout: int", "root: int = 0",
-                           "op: int = 0", "mpi_dtype: int = 0", "mpi_op: int = 0",
-                           "contiguous: int = 0", "timed: int = 0", "timeout_bits: int = 0",
-                           "trace: int = 0"};
-
 // "a: T;b: int64" -> {"a: T", "b: int64"} (nullptr: none).
 std::vector<std::string> Specs(const char* list) {
   std::vector<std::string> specs;
@@ -218,7 +201,7 @@ void RegisterOp(const char* name, const char* input, const char* output, bool li
   }
   if (types != nullptr) TF_OpDefinitionBuilderAddAttr(op, types);
   if (listed) TF_OpDefinitionBuilderAddAttr(op, "N: int >= 1");
-  for (const char* attr : kIntAttrs) TF_OpDefinitionBuilderAddAttr(op, attr);
+  for (const AttrSpec& attr : kAttrs) TF_OpDefinitionBuilderAddAttr(op, attr.spec);
   TF_OpDefinitionBuilderSetIsStateful(op, true);
   TF_OpDefinitionBuilderSetShapeInferenceFunction(op, &UnknownShapes);
   TF_RegisterOpDefinition(op, status);

@@ -47,10 +47,8 @@ struct Mpi {
 };
 extern Mpi mpi;
 
-// Python's answer on the error path: returns a TF_Code (0: go on, the
-// records in `received` are the agreed ones) and writes the message.
-using Resolve = int (*)(int64_t engine, int64_t event, int64_t site, void* received,
-                        int64_t value, char* message, int64_t capacity);
+// Python's answer on the error path (protocol.CALLBACK): returns a TF_Code
+// (0: go on, the records in `received` are the agreed ones) and writes the message.
 extern Resolve resolve;
 
 // A communicator's shared state (shared_state.cc): protocol.State, then,
@@ -113,20 +111,15 @@ class Pool {
   std::vector<Slot*> slots_;
 };
 
-// What a kernel knows from tracing, and (`held`, `state`) while it runs.
-struct Site {
-  int64_t engine = 0;  // its communicator (Python's NativeComm.id)
+// What a kernel knows from tracing (its op's attributes, protocol.ATTRS:
+// `engine` is its communicator, Python's NativeComm.id; `trace` the op name's
+// number while a timeline records, else 0), and (`held`, `state`) while it runs.
+struct Site : Attrs {
   std::shared_ptr<Block> held;
   State* state = nullptr;  // held's State
-  int64_t site = 0, kind = 0, dtype_code = 0, count = 0, tensors = 0, layout = 0, root = 0;
-  int64_t op = kSum;  // (protocol.Op)
-  int64_t contiguous = 0;  // 1: tensors packed back to back (as concatenated)
-  int64_t timed = 0;  // 1: the agreement's exchange gives up after `timeout` seconds
-  double timeout = 0;
-  int64_t trace = 0;  // a timeline records: the op's name (Python's number for it), else 0
+  double timeout = 0;  // (timeout_bits) when `timed`
   double agreed = 0;  // Now() when the last agreement completed
   bool done = false;  // the last run succeeded (SetToken)
-  Handle mpi_dtype = 0, mpi_op = 0;
   std::vector<uint8_t> record, received, scratch;
   std::vector<int64_t> extremes;  // (the hashed agreement's Iallreduce)
   Pool pool;

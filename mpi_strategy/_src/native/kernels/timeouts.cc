@@ -27,8 +27,9 @@ struct Announcements {
 
 Announcements Shared(const Site& site) {
   int64_t* shared = site.held->words.data() + kStateFields;
-  const int64_t size = site.state->size;
-  return {shared, shared + size, reinterpret_cast<Handle*>(shared + size + 1)};
+  const Announced at = AnnouncedAt(site.state->size);  // (protocol.announced)
+  return {shared + at.last_seen, shared + at.number,
+          reinterpret_cast<Handle*>(shared + at.requests)};
 }
 
 // Reads the announcements that have arrived (Announcements.collect), source
