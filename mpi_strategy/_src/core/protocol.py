@@ -117,17 +117,14 @@ class Attr(NamedTuple):
     """An int64 attribute of every kernel's op: what tracing fixes (``Site``)."""
 
     name: str
-    default: int | None = None  # None: every call passes it
-    # The op types whose kernels read it: a call of them must pass it, even
-    # when it has a default (which only the other ops may leave to C++).
-    ops: tuple[str, ...] = ()
+    default: int | None = None  # None: every call passes it (else: the ops
+    # whose kernels read it pass it, core/collective_ops NativeOp.reads)
 
     def spec(self) -> str:
         """As TensorFlow's op definition declares it."""
         return f"{self.name}: int" + ("" if self.default is None else f" = {self.default}")
 
 
-_REDUCING = ("MpiStrategyAllreduce", "MpiStrategyReducescatter")
 ATTRS = (
     Attr("engine"),  # the communicator (NativeComm.id)
     Attr("site"),  # the shapes the agreement compares (their index)
@@ -136,11 +133,11 @@ ATTRS = (
     Attr("count"),
     Attr("tensors"),
     Attr("layout"),
-    Attr("root", 0, ("MpiStrategyBroadcast",)),
-    Attr("op", 0, ("MpiStrategyAllreduce",)),  # a reduction's ``Op``
-    Attr("mpi_dtype", 0, _REDUCING),  # MPI handles of the reduction
-    Attr("mpi_op", 0, _REDUCING),
-    Attr("contiguous", 0, ("MpiStrategyAllreduce",)),  # 1: tensors packed back to back
+    Attr("root", 0),
+    Attr("op", 0),  # a reduction's ``Op``
+    Attr("mpi_dtype", 0),  # MPI handles of the reduction
+    Attr("mpi_op", 0),
+    Attr("contiguous", 0),  # 1: tensors packed back to back
     Attr("timed", 0),  # 1: the agreement's exchange gives up after timeout_bits
     Attr("timeout_bits", 0),  # the timeout's seconds, the bits of a double
     Attr("trace", 0),  # a timeline records: the op name's number, else 0

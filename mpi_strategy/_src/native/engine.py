@@ -35,8 +35,8 @@ import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
 
-from mpi_strategy._src.core import kinds, protocol, timeline, ulfm
-from mpi_strategy._src.core.collective_ops.base import CollectiveOp, Params
+from mpi_strategy._src.core import collective_ops, kinds, protocol, timeline, ulfm
+from mpi_strategy._src.core.collective_ops.base import CollectiveOp, NativeOp, Params
 from mpi_strategy._src.core.collectives import ArrayCollectives
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.process import PROCESS
@@ -92,7 +92,8 @@ class Kernels:
             )
         path = build.library()
         # TensorFlow first: it takes the ops registered while it loads the library.
-        self.ops = _CheckedOps(tf.load_op_library(str(path)))
+        self.ops = tf.load_op_library(str(path))
+        check_ops(self.ops, path)
         library = ctypes.CDLL(str(path))
         check_protocol(library, path)
         for name, function in protocol.EXPORTS.items():  # (as compiled: check_protocol)
@@ -157,50 +158,39 @@ def check_protocol(library: ctypes.CDLL, path: object) -> None:
         )
 
 
-class _CheckedOps:
-    """The library's op wrappers, each call's attributes checked against
-    ``protocol.ATTRS`` first (at trace time): an attribute C++ does not know,
-    or one the op's kernel reads left out (which would silently be its
-    default, e.g. a broadcast from rank 0), raises ``MPIStrategyError``."""
-
-    def __init__(self, ops: Any) -> None:
-        self._ops = ops
-
-    def __getattr__(self, wrapper: str) -> Any:
-        op = getattr(self._ops, wrapper)
-        op_type = "".join(part.capitalize() for part in wrapper.split("_"))
-        # The wrapper's arguments: the op's inputs, its attributes, "name".
-        attrs = {a.name for a in protocol.ATTRS}
-        inputs = set(inspect.signature(op).parameters) - attrs
-        needed = _needed(op_type)
-
-        def checked(**kwargs: Any) -> Any:
-            given = kwargs.keys() - inputs
-            if not given <= attrs or not needed <= given:
-                check_attrs(op_type, given)
-            return op(**kwargs)
-
-        setattr(self, wrapper, checked)  # (found directly from now on)
-        return checked
-
-
-def check_attrs(op_type: str, given: Set[str]) -> None:
-    """Raises ``MPIStrategyError`` unless ``given``, the attributes a call of
-    ``op_type`` passes, are ``protocol.ATTRS`` and include each one its kernel
-    reads (every attribute without a default, and those naming ``op_type``)."""
-    unknown = sorted(given - {a.name for a in protocol.ATTRS})
-    missing = sorted(_needed(op_type) - given)
-    said = [f"{what}: {n}" for what, n in (("not there", unknown), ("left out", missing)) if n]
-    if said:
-        raise MPIStrategyError(
-            f"mpi_strategy: every rank tracing a native {op_type} op: its attributes differ "
-            f"from core/protocol.py ATTRS ({'; '.join(said)})."
+def check_ops(ops: Any, path: object) -> None:
+    """Raises ``Unavailable`` unless the library's ops (``ops``: its module
+    from ``tf.load_op_library``) are those of core/collective_ops, each with
+    the inputs its ``NativeOp`` binds and ``protocol.ATTRS``, in order."""
+    attrs = [a.name for a in protocol.ATTRS]
+    differ = []
+    for spec in collective_ops.ALL:
+        if spec.native is not None:
+            wrapper = getattr(ops, _snake(spec.native.type), None)
+            ours = ["token", *spec.native.inputs, *attrs, "name"]
+            theirs = None if wrapper is None else list(inspect.signature(wrapper).parameters)
+            if theirs != ours:
+                differ.append(f"{spec.native.type}: {theirs or 'missing'} there, {ours} here")
+    if differ:
+        raise Unavailable(
+            f"the kernels at {path} register other ops than core/collective_ops declares "
+            f"({'; '.join(differ)}): rebuild them (remove the file)"
         )
 
 
-def _needed(op_type: str) -> set[str]:
-    """The attributes every call of ``op_type`` passes."""
-    return {a.name for a in protocol.ATTRS if a.default is None or op_type in a.ops}
+def check_attrs(native: NativeOp, given: Set[str]) -> None:
+    """Raises ``MPIStrategyError`` unless ``given``, the attributes a call of
+    ``native`` passes, are ``protocol.ATTRS`` and include every one without a
+    default and each one its kernel reads (``native.reads``)."""
+    required = {a.name for a in protocol.ATTRS if a.default is None}
+    unknown = sorted(given - {a.name for a in protocol.ATTRS})
+    missing = sorted((required | set(native.reads)) - given)
+    said = [f"{what}: {n}" for what, n in (("not there", unknown), ("left out", missing)) if n]
+    if said:
+        raise MPIStrategyError(
+            f"mpi_strategy: every rank tracing a native {native.type} op: its attributes "
+            f"differ from core/protocol.py ATTRS and its NativeOp.reads ({'; '.join(said)})."
+        )
 
 
 def kernels() -> Kernels | None:
@@ -272,7 +262,9 @@ class NativeComm:
             bound = dict(zip(native.inputs, inputs))
         kernel = getattr(self._ops, _snake(native.type))
         site = self._site(spec.kind(p), shapes, dtypes, spec.tag(p), p.timeout, name=spec.op_name)
-        outputs = kernel(name=spec.op_name, token=token, **bound, **native.attrs(p, dtypes), **site)
+        own = native.attrs(p, dtypes)
+        check_attrs(native, own.keys() | site.keys())
+        outputs = kernel(name=spec.op_name, token=token, **bound, **own, **site)
         if native.listed:
             next_token, listed = outputs
             return [next_token, *listed]

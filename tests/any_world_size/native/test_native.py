@@ -7,15 +7,20 @@ engines; here the two engines' results are compared with each other, bit for
 bit, on random data whose sums depend on the order of operations.
 """
 
+import dataclasses
 import gc
+import inspect
 import os
 import re
+import types
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_strategy._src.core.protocol import ATTRS, State
+from mpi_strategy._src.core.collective_ops.base import Call
+from mpi_strategy._src.core.collective_ops.broadcast import BROADCAST
+from mpi_strategy._src.core.protocol import State
 from mpi_strategy._src.distribute.engines import Collective
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.native import engine as native_engine
@@ -356,23 +361,45 @@ def test_a_graph_from_another_process_finds_no_communicator_here(protocol):
 
 def test_a_native_op_without_an_attribute_its_kernel_reads_raises_while_tracing(engines):
     # A broadcast's root has a C++ default (0): left out, the kernel would
-    # broadcast from rank 0. Each call is checked against protocol.ATTRS.
-    ops = native_engine.kernels().ops
-    required = {attr.name: 1 for attr in ATTRS if attr.default is None}
+    # broadcast from rank 0. Each call is checked against protocol.ATTRS and
+    # the op's NativeOp.reads while tracing.
+    (native,) = [e for e in engines[0]._engines if e.name == "native"]
 
     def trace_broadcast(**attrs):
-        op = tf.function(autograph=False)(
-            lambda: ops.mpi_strategy_broadcast(
-                token=tf.constant(0, tf.int64), input=tf.zeros([2]), **required, **attrs
-            )
+        spec = dataclasses.replace(
+            BROADCAST, native=dataclasses.replace(BROADCAST.native, attrs=lambda p, d: attrs)
         )
-        return op.get_concrete_function()  # (traced only: nothing runs)
+        call = Call(root=1, shapes=((2,),))
+        traced = tf.function(autograph=False)(
+            lambda: native._kernels.run(spec, call, tf.constant(0, tf.int64), [tf.zeros([2])])
+        )
+        return traced.get_concrete_function()  # (traced only: nothing runs)
 
     trace_broadcast(root=1)
     with pytest.raises(MPIStrategyError, match=r"MpiStrategyBroadcast .*left out: \['root'\]"):
         trace_broadcast()
     with pytest.raises(MPIStrategyError, match=r"not there: \['roots'\]"):
         trace_broadcast(root=1, roots=1)
+
+
+def test_kernels_whose_ops_differ_from_the_registry_are_refused_at_load(engines):
+    # (core/collective_ops declares each op's inputs; protocol.ATTRS its attributes)
+    ops = native_engine.kernels().ops
+    native_engine.check_ops(ops, "the library")
+    names = [n for n in dir(ops) if n.startswith("mpi_strategy_")]
+    drifted = types.SimpleNamespace(**{n: getattr(ops, n) for n in names})
+    del drifted.mpi_strategy_barrier
+    signature = inspect.signature(ops.mpi_strategy_alltoallv)
+    renamed = [
+        p.replace(name="counts") if p.name == "splits" else p for p in signature.parameters.values()
+    ]
+    drifted.mpi_strategy_alltoallv = lambda **kwargs: None
+    drifted.mpi_strategy_alltoallv.__signature__ = signature.replace(parameters=renamed)
+    with pytest.raises(native_engine.Unavailable) as refused:
+        native_engine.check_ops(drifted, "the library")
+    said = str(refused.value)
+    assert "MpiStrategyBarrier: missing there" in said, said
+    assert "MpiStrategyAlltoallv: ['token', 'input', 'counts'," in said, said
 
 
 def test_the_engine_in_use_is_reported():

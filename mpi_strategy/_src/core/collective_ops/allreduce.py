@@ -125,5 +125,11 @@ ALLREDUCE = CollectiveOp(
     output_shapes=same,
     identity_on_one_rank=True,
     check=check,
-    native=NativeOp("MpiStrategyAllreduce", inputs=("inputs",), listed=True, attrs=_attrs),
+    native=NativeOp(
+        "MpiStrategyAllreduce",
+        inputs=("inputs",),
+        listed=True,
+        attrs=_attrs,
+        reads=("op", "mpi_op", "mpi_dtype", "contiguous"),
+    ),
 )

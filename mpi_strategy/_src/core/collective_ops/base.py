@@ -90,7 +90,10 @@ class NativeOp:
     collective's tensors ("inputs": all of them, as one list). ``listed``:
     its outputs after the token are one list. ``attrs``: its own attributes
     (beyond the agreement record's, ``NativeComm._site``), from the call and
-    the agreement's dtypes. ``runs``: whether the kernels run a call whose
+    the agreement's dtypes. ``reads``: those of them its kernel reads (names
+    of ``protocol.ATTRS`` that have a C++ default): every call must pass each,
+    checked while tracing (left out, one would silently be its default, e.g. a
+    broadcast from rank 0). ``runs``: whether the kernels run a call whose
     shapes are known when tracing (else the Python engine runs it: and
     raises its error)."""
 
@@ -98,6 +101,7 @@ class NativeOp:
     inputs: tuple[str, ...] = ("input",)
     listed: bool = False
     attrs: Callable[[Params, Sequence[np.dtype]], dict[str, int]] = no_attrs
+    reads: tuple[str, ...] = ()
     runs: Callable[[Params, int], bool] = always
 
 

@@ -69,5 +69,5 @@ BROADCAST = CollectiveOp(
     output_shapes=same,
     tag=tag,
     identity_on_one_rank=True,
-    native=NativeOp("MpiStrategyBroadcast", attrs=_attrs),
+    native=NativeOp("MpiStrategyBroadcast", attrs=_attrs, reads=("root",)),
 )

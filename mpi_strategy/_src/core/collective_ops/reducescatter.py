@@ -74,6 +74,7 @@ REDUCESCATTER = CollectiveOp(
     native=NativeOp(
         "MpiStrategyReducescatter",
         attrs=_attrs,
+        reads=("mpi_op", "mpi_dtype"),
         # (a scalar: the Python engine explains)
         runs=lambda p, size: p.shapes is not None and len(p.shapes[0]) > 0,
     ),
