@@ -45,7 +45,6 @@ from mpi4py import MPI
 from mpi_strategy._src.core import protocol, timeouts
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.kinds import (
-    ALLGATHER,
     CONSTANT_ADVICE,
     ORDER_ADVICE,
     Kind,
@@ -190,7 +189,7 @@ class Agreement:
         )
         assert everyone is not None  # (a data collective is never partial)
         if self.hashed:
-            if kind == ALLGATHER:  # (agreed by hash: no record says the byte counts)
+            if kind.own_bytes:  # (agreed by hash: no record says the byte counts)
                 counts = np.empty(self._size, np.int64)
                 mine = np.array([data.size], np.int64)
                 self._comm.Allgather([mine, MPI.INT64_T], [counts, MPI.INT64_T])

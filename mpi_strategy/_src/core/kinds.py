@@ -31,6 +31,8 @@ class Kind:
     collective such a rank makes meanwhile. ``blame``: the advice when a rank
     in this kind meets ranks in another (it names the likely cause).
     ``wording``: the signature in words, when ``describe``'s do not fit.
+    ``own_bytes``: each rank brings its own number of bytes (an all-gather):
+    agreed by hash, those are exchanged too (no record says them).
     """
 
     code: int
@@ -42,6 +44,7 @@ class Kind:
     solo_advice: str = ""
     blame: str = ""
     wording: Callable[[np.ndarray], str] | None = None
+    own_bytes: bool = False
 
 
 # Every kind by its code: filled at import (alike on every rank), then only read.

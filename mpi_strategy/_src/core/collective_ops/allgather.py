@@ -42,6 +42,7 @@ KIND = register_kind(
             "shapes that agree except along the gather axis."
         ),
         wording=_wording,
+        own_bytes=True,
     )
 )
 
