@@ -35,7 +35,7 @@ import tensorflow as tf
 from mpi4py import MPI
 
 from mpi_strategy._src.core import failure, logs, ulfm
-from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
+from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
@@ -375,6 +375,7 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
         _start()
         skip_sync = False
         while True:
+            since = failure.lost_mark()
             try:
                 if not skip_sync:
                     state.sync()
@@ -383,7 +384,7 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
             except HostsUpdatedInterrupt as interrupt:
                 skip_sync = interrupt.skip_sync
             except Exception as error:  # only lost ranks and Horovod's errors: others re-raised
-                if _ranks_were_lost(error):
+                if _ranks_were_lost(error, since):
                     _continue_on_survivors()
                 elif not isinstance(error, HorovodInternalError):
                     raise
@@ -394,17 +395,12 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
     return wrapper
 
 
-def _ranks_were_lost(error: BaseException) -> bool:
-    """True if ``error`` comes from a lost rank: a ``RanksLostError`` (or an
-    MPI process failure of the program's own MPI calls), or, from inside a
-    ``tf.function``, a ``tf.errors`` error that carries one (the global set's
-    communicator remembers its failure)."""
+def _ranks_were_lost(error: BaseException, since: int) -> bool:
+    """True if ``error``, raised by code started at ``failure.lost_mark()`` =
+    ``since``, comes from a lost rank (``failure.ranks_were_lost``, the rule
+    ``elastic.run`` follows too)."""
     ordered = global_process_set.ordered
-    if ordered is not None and ordered.failed:
-        return True
-    if isinstance(error, RanksLostError) or ulfm.is_process_failure(error):
-        return True
-    return isinstance(error, tf.errors.OpError) and RanksLostError.__name__ in str(error)
+    return failure.ranks_were_lost(error, [] if ordered is None else [ordered], since)
 
 
 def _continue_on_survivors() -> None:

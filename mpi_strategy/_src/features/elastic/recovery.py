@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 import numpy as np
 from mpi4py import MPI
 
-from mpi_strategy._src.core import ulfm
-from mpi_strategy._src.core.errors import RanksLostError, TooFewRanksError
+from mpi_strategy._src.core import failure, ulfm
+from mpi_strategy._src.core.errors import TooFewRanksError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.distribute.strategy import MPIStrategy
@@ -44,10 +44,11 @@ def record() -> ElasticRecord:
 Continued = TypeVar("Continued")
 
 
-def ranks_were_lost(strategy: MPIStrategy, error: BaseException) -> bool:
-    """True if ``error`` comes from a lost rank. Inside tf.function the
-    RanksLostError arrives as a tf.errors class; the communicator remembers it."""
-    return isinstance(error, RanksLostError) or strategy.extended.ordered_comm.failed
+def ranks_were_lost(strategy: MPIStrategy, error: BaseException, since: int) -> bool:
+    """True if ``error``, raised by code started at ``failure.lost_mark()`` =
+    ``since``, comes from a lost rank (``failure.ranks_were_lost``, the rule
+    Horovod's face follows too)."""
+    return failure.ranks_were_lost(error, [strategy.extended.ordered_comm], since)
 
 
 def recover(
@@ -107,10 +108,11 @@ def shrink_and_continue(
     while True:
         survivors = ulfm.shrink(comm)
         continued: list[Continued] = []
+        since = failure.lost_mark()
         try:
             continued.append(continue_there(survivors))
         except Exception as error:
-            if not (ulfm.is_process_failure(error) or isinstance(error, RanksLostError)):
+            if not failure.ranks_were_lost(error, since=since):
                 raise
             ulfm.revoke(survivors)  # the survivors still in its collectives leave them
         if ulfm.all_agree(survivors, bool(continued)):
