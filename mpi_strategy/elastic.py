@@ -26,7 +26,7 @@ parts took.
 
 from mpi_strategy._src.core.errors import RanksLostError, TooFewRanksError
 from mpi_strategy._src.core.ulfm import is_replacement
-from mpi_strategy._src.features.elastic.recovery import record as _record
+from mpi_strategy._src.features.elastic.recovery import StaleCollectiveError, record as _record
 from mpi_strategy._src.features.elastic.run import KerasCallback, run
 from mpi_strategy._src.features.elastic.state import State
 
@@ -41,6 +41,7 @@ __all__ = [
     "is_replacement",
     "RanksLostError",
     "TooFewRanksError",
+    "StaleCollectiveError",
     "recoveries",
     "replacements",
 ]

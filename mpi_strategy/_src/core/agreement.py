@@ -80,7 +80,10 @@ def post_notice(signum: int) -> None:
 
 
 class Agreement:
-    """Signature agreement (and, optionally, a timeout) for one communicator."""
+    """Signature agreement (and, optionally, a timeout) for one communicator.
+
+    Its exchanges are MPI calls on the communicator it is given: that one must
+    carry nothing else (``ArrayCollectives`` gives it a duplicate of its own)."""
 
     def __init__(
         self,
@@ -120,6 +123,11 @@ class Agreement:
         self.disagreed: list[Kind] = []  # the kinds the ranks were in at the last mismatch
         self._received = np.empty((0, 0), np.uint8)  # every rank's record of the last exchange
         self.agreed_at = 0.0  # time.perf_counter() when the last agreement completed
+
+    def communicators(self) -> list[MPI.Intracomm]:
+        """The communicators this agreement calls MPI on: the one it was given,
+        then the announcements' (when on)."""
+        return [self._comm, *self._announcements.communicators()]
 
     def move_to(self, block: np.ndarray) -> None:
         """Keeps the shared state in ``block`` (int64, the size of ``block``)

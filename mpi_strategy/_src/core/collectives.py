@@ -47,9 +47,11 @@ class ArrayCollectives:
     """The collectives of one communicator, on numpy arrays.
 
     Collective over ``comm``: every rank of it creates its ``ArrayCollectives`` at
-    the same point. They run on a duplicate of ``comm`` (``comm.Dup()``, freed
-    with this object), so that they never match the program's own MPI calls on
-    ``comm``, nor those of another ``ArrayCollectives`` of the same ``comm``.
+    the same point. The data moves on one duplicate of ``comm`` (``comm``
+    here) and the agreement runs on another (``agreement_comm``), both made
+    here and freed with this object, so that neither matches the program's own
+    MPI calls on ``comm``, nor those of another ``ArrayCollectives`` of the same
+    ``comm`` (an MPIStrategy's and ``hvd.init``'s on ``COMM_WORLD``), nor each other.
 
     ``name_missing_ranks``: make timeouts name the ranks that never arrived
     (costs a few bytes of point-to-point messages per collective when a
@@ -64,14 +66,16 @@ class ArrayCollectives:
         timeout_error: ErrorClass = MPIStrategyError,
     ) -> None:
         self.comm = comm.Dup()
-        # Not at exit: the end-of-program meeting may still use it, and
-        # MPI_Finalize frees it anyway.
-        weakref.finalize(self, self.comm.Free).atexit = False
+        self.agreement_comm = comm.Dup()  # (in the same order on every rank)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.agreement = agreement_lib.Agreement(
-            comm, name_missing_ranks, mismatch_error, timeout_error
+            self.agreement_comm, name_missing_ranks, mismatch_error, timeout_error
         )
+        # Each freed with its user. Not at exit: the end-of-program meeting
+        # may still use them, and MPI_Finalize frees them anyway.
+        weakref.finalize(self, self.comm.Free).atexit = False
+        weakref.finalize(self.agreement, self.agreement_comm.Free).atexit = False
         self.agreement.state[State.DATA_COMM] = protocol.as_int64(self.comm.handle)
         self.number = next(PROCESS.communicator_numbers)  # its name in the timeline
         self.failed = False  # a rank died (see RanksLostError)
@@ -115,13 +119,20 @@ class ArrayCollectives:
         """Marks this communicator as failed, revokes it (ranks in another
         collective of it raise too) and returns the error to raise."""
         self.failed = True
-        ulfm.revoke(self.comm)
+        self.revoke()
         return RanksLostError(
             f"mpi_strategy: a rank of this {self.size}-rank communicator died "
             f"({error.Get_error_string()}); the survivors' collectives were revoked. "
             "mpi_strategy.elastic.run continues training on the survivors; without it "
             "the job ends (resume from the last checkpoint)."
         )
+
+    def revoke(self) -> None:
+        """Revokes every communicator these collectives call MPI on (the data's,
+        the agreement's, the announcements'): a survivor waiting in any of them
+        leaves it (ULFM)."""
+        for comm in (self.comm, *self.agreement.communicators()):
+            ulfm.revoke(comm)
 
     def timed(self, fn: Callable[..., Any], name: str, trace: Timeline) -> Callable[..., Any]:
         """``fn(token, *arrays)``, recording each call in the timeline ``trace``."""

@@ -5,6 +5,8 @@ binding (``distribute/tf_errors.py``); the core raises whatever error classes it
 ``Agreement`` is given.
 """
 
+from mpi_strategy._src.core.process import PROCESS
+
 _PUBLIC_MODULE = "mpi_strategy.errors"
 
 
@@ -51,6 +53,10 @@ class RanksLostError(MPIStrategyError):
     of it too). ``mpi_strategy.elastic.run`` catches it and continues on the
     survivors; elsewhere it ends the job, as any uncaught error does.
     """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        PROCESS.ranks_lost += 1  # (see core/failure.py's ranks_were_lost)
 
 
 class TooFewRanksError(MPIStrategyError):

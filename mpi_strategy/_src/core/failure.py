@@ -19,14 +19,47 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import TracebackType
+from typing import Protocol
 
 from mpi4py import MPI
 
 from mpi_strategy._src.core.errors import RanksLostError, TooFewRanksError
 from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.core.ulfm import is_process_failure, is_replacement, ulfm_launch
+
+
+class MayFail(Protocol):
+    """A communicator's collectives (``ArrayCollectives``, ``OrderedComm``)."""
+
+    @property
+    def failed(self) -> bool: ...
+
+
+def lost_mark() -> int:
+    """How many ``RanksLostError`` this process has made so far: the ``since``
+    of ``ranks_were_lost``, taken before the code whose errors it judges."""
+    return PROCESS.ranks_lost
+
+
+def ranks_were_lost(
+    error: BaseException, comms: Iterable[MayFail] = (), since: int | None = None
+) -> bool:
+    """True if ``error`` comes from a lost rank (the one rule of both elastic
+    faces): a ``RanksLostError``; an MPI process failure (ULFM), also of the
+    program's own MPI calls; any error once a communicator of ``comms`` saw
+    a rank die (``failed``); or any error once this process made a
+    ``RanksLostError`` after ``lost_mark()`` returned ``since``, of any
+    communicator: inside a ``tf.function`` TensorFlow replaces the exception
+    by a ``tf.errors`` class, on either engine, so its class is lost but not
+    the count."""
+    return (
+        isinstance(error, RanksLostError)
+        or is_process_failure(error)
+        or any(comm.failed for comm in comms)
+        or (since is not None and PROCESS.ranks_lost > since)
+    )
 
 
 def arm(comm: MPI.Comm) -> None:
@@ -83,7 +116,7 @@ def _what_happens_now(exc: BaseException) -> str:
 def _every_living_rank_raises(exc: BaseException) -> bool:
     if any(test(exc) for test in PROCESS.shared_errors):
         return True
-    return isinstance(exc, (RanksLostError, TooFewRanksError)) or is_process_failure(exc)
+    return ranks_were_lost(exc) or isinstance(exc, TooFewRanksError)
 
 
 def raised_by_every_living_rank(test: Callable[[BaseException], bool]) -> None:

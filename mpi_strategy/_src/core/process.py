@@ -42,6 +42,9 @@ class Process:
     # failure.py: tests, registered by upper layers at import, of an exception
     # that every rank raised alike (no abort for it)
     shared_errors: list[Callable[[BaseException], bool]] = field(default_factory=list)
+    # errors.py: how many RanksLostErrors this process has made (failure.py
+    # reads it: inside a tf.function the error loses its class, not this count)
+    ranks_lost: int = 0
     # agreement.py: this rank's preemption notice (0: none), and the
     # agreements that carry it (every communicator's)
     notice: int = 0

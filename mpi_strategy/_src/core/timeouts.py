@@ -76,6 +76,10 @@ class Announcements:
             source = status.Get_source()
             self._last_seen[source] = max(self._last_seen[source], seq[0])
 
+    def communicators(self) -> list[MPI.Intracomm]:
+        """The announcements' communicator, if any."""
+        return [] if self._comm is None else [self._comm]
+
     @property
     def handle(self) -> int:
         """The MPI handle of the announcements' communicator (0: none)."""

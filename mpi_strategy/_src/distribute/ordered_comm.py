@@ -71,8 +71,8 @@ class OrderedComm:
         timeout_error: ErrorClass = CollectiveTimeoutError,
     ) -> None:
         """Collective over ``comm``: every rank of it creates its OrderedComm
-        at the same point; the collectives run on their own duplicate of
-        ``comm`` (``core.collectives.Collectives``). ``name_missing_ranks``:
+        at the same point; the collectives run on their own duplicates of
+        ``comm`` (``core.collectives.ArrayCollectives``). ``name_missing_ranks``:
         make timeouts name the ranks that never arrived. ``mismatch_error``,
         ``timeout_error``: what a disagreement and a timeout raise (eager;
         see ``errors.py`` for inside ``tf.function``)."""

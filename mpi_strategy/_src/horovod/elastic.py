@@ -35,10 +35,8 @@ import tensorflow as tf
 from mpi4py import MPI
 
 from mpi_strategy._src.core import failure, logs, ulfm
-from mpi_strategy._src.core.errors import MPIStrategyError, RanksLostError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.core.process import PROCESS
-from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.features.elastic import recovery, ulfm_exit
 from mpi_strategy._src.horovod import basics
 from mpi_strategy._src.horovod.basics import global_process_set
@@ -375,6 +373,7 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
         _start()
         skip_sync = False
         while True:
+            since = failure.lost_mark()
             try:
                 if not skip_sync:
                     state.sync()
@@ -383,7 +382,7 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
             except HostsUpdatedInterrupt as interrupt:
                 skip_sync = interrupt.skip_sync
             except Exception as error:  # only lost ranks and Horovod's errors: others re-raised
-                if _ranks_were_lost(error):
+                if _ranks_were_lost(error, since):
                     _continue_on_survivors()
                 elif not isinstance(error, HorovodInternalError):
                     raise
@@ -394,17 +393,12 @@ def run(func: Callable[..., Result]) -> Callable[..., Result]:
     return wrapper
 
 
-def _ranks_were_lost(error: BaseException) -> bool:
-    """True if ``error`` comes from a lost rank: a ``RanksLostError`` (or an
-    MPI process failure of the program's own MPI calls), or, from inside a
-    ``tf.function``, a ``tf.errors`` error that carries one (the global set's
-    communicator remembers its failure)."""
+def _ranks_were_lost(error: BaseException, since: int) -> bool:
+    """True if ``error``, raised by code started at ``failure.lost_mark()`` =
+    ``since``, comes from a lost rank (``failure.ranks_were_lost``, the rule
+    ``elastic.run`` follows too)."""
     ordered = global_process_set.ordered
-    if ordered is not None and ordered.failed:
-        return True
-    if isinstance(error, RanksLostError) or ulfm.is_process_failure(error):
-        return True
-    return isinstance(error, tf.errors.OpError) and RanksLostError.__name__ in str(error)
+    return failure.ranks_were_lost(error, [] if ordered is None else [ordered], since)
 
 
 def _continue_on_survivors() -> None:
@@ -412,8 +406,9 @@ def _continue_on_survivors() -> None:
     Horovod's global process set there (collective over the survivors)."""
     ordered = global_process_set.comm()
     before, rank_before = ordered.size, ordered.rank
-    _retire(ordered)
-    survivors, _ = recovery.shrink_and_continue(ordered.comm, basics.continue_on)
+    survivors, _ = recovery.retire_and_shrink(
+        ordered, functools.partial(_stale, before), basics.continue_on
+    )
     logs.set_rank(survivors.Get_rank(), survivors.Get_size())  # rank 0 of the survivors speaks
     logger.warning(
         "mpi_strategy.horovod.elastic: lost %d rank(s); continuing on %d from the last "
@@ -426,7 +421,7 @@ def _continue_on_survivors() -> None:
     )
 
 
-class StaleCollectiveError(MPIStrategyError):
+class StaleCollectiveError(recovery.StaleCollectiveError):
     """A collective of a ``tf.function`` traced before ``hvd.elastic.run``'s
     reset, on the communicator of before it."""
 
@@ -434,32 +429,15 @@ class StaleCollectiveError(MPIStrategyError):
 StaleCollectiveError.__module__ = "mpi_strategy.horovod.tensorflow.elastic"  # its public name
 
 
-def _is_stale(error: BaseException) -> bool:
-    """A ``StaleCollectiveError``, also as it leaves a tf.function (its name in
-    the message): every survivor raises it at once."""
-    return isinstance(error, StaleCollectiveError) or (
-        isinstance(error, tf.errors.OpError) and StaleCollectiveError.__name__ in str(error)
+def _stale(size: int) -> StaleCollectiveError:
+    return StaleCollectiveError(
+        f"mpi_strategy.horovod.elastic: a collective ran on the {size}-rank "
+        "communicator of before the last reset, from a tf.function traced before it. "
+        "A traced function keeps the collectives and the world size (hvd.Average "
+        "divides by it) of its trace: build the tf.functions (and Keras models' "
+        "train functions) that call Horovod collectives inside the function decorated "
+        "by hvd.elastic.run, so that each call after a reset traces them anew."
     )
-
-
-failure.raised_by_every_living_rank(_is_stale)
-
-
-def _retire(ordered: OrderedComm) -> None:
-    """Makes every later collective on ``ordered`` raise ``StaleCollectiveError``."""
-    size = ordered.size
-
-    def stale() -> Exception:
-        return StaleCollectiveError(
-            f"mpi_strategy.horovod.elastic: a collective ran on the {size}-rank "
-            "communicator of before the last reset, from a tf.function traced before it. "
-            "A traced function keeps the collectives and the world size (hvd.Average "
-            "divides by it) of its trace: build the tf.functions (and Keras models' "
-            "train functions) that call Horovod collectives inside the function decorated "
-            "by hvd.elastic.run, so that each call after a reset traces them anew."
-        )
-
-    ordered.collectives.retire(stale)
 
 
 # -- the start and the end of an elastic program -------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mpi_strategy._src.core import agreement, kinds
+from mpi_strategy._src.core import kinds
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy.errors import CollectiveMismatchError, CollectiveTimeoutError, MPIStrategyError
 from mpi_testing import (
@@ -81,20 +81,55 @@ class CountingComm:
         return counted
 
 
-def test_collectives_run_on_their_own_duplicate_freed_with_the_ordered_comm():
+def test_collectives_run_on_their_own_duplicates_freed_with_the_ordered_comm():
     import gc
 
     from mpi4py import MPI
 
-    ordered, other = OrderedComm(WORLD), OrderedComm(WORLD)
-    dup = ordered.comm
-    assert MPI.Comm.Compare(dup, WORLD) == MPI.CONGRUENT  # same ranks, own matching
-    assert MPI.Comm.Compare(other.comm, dup) == MPI.CONGRUENT
+    ordered, other = OrderedComm(WORLD, name_missing_ranks=True), OrderedComm(WORLD)
+    data, agreed = ordered.comm, ordered.collectives.agreement_comm
+    # Same ranks, own matching: the data's, the agreement's (and the
+    # announcements', made from the agreement's), none the caller's.
+    comms = [data, *ordered.agreement.communicators()]
+    assert comms[1] is agreed and len(comms) == (3 if SIZE > 1 else 2)
+    for i, comm in enumerate(comms):
+        assert MPI.Comm.Compare(comm, WORLD) == MPI.CONGRUENT
+        assert MPI.Comm.Compare(other.comm, comm) == MPI.CONGRUENT
+        assert all(MPI.Comm.Compare(c, comm) == MPI.CONGRUENT for c in comms[i + 1 :])
     assert float(ordered.allreduce_sum(tf.constant(1.0))) == SIZE
-    del ordered
+    del ordered, comms
     gc.collect()
-    assert dup == MPI.COMM_NULL
+    assert data == MPI.COMM_NULL and agreed == MPI.COMM_NULL
     assert float(other.allreduce_sum(tf.constant(2.0))) == 2 * SIZE
+
+
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_two_ordered_comms_of_one_communicator_never_cross(engine):
+    """An MPIStrategy's OrderedComm and hvd.init's, both on COMM_WORLD, called
+    from two threads in opposite orders on rank 0 and on the others (MPI
+    allows it: they are two communicators). Each agreement must meet its own
+    (a shared channel mixes their records: wrong sums or a mismatch)."""
+    import threading
+
+    strategy, horovod = (_on_engine(OrderedComm(WORLD), engine) for _ in range(2))
+    results, errors = {}, []
+
+    def sum_of(name, ordered, scale):
+        try:
+            results[name] = float(ordered.allreduce_sum(tf.constant(scale * (RANK + 1.0))))
+        except (MPIStrategyError, tf.errors.OpError) as error:  # checked below
+            errors.append(error)
+
+    first, then = [("strategy", strategy, 1.0), ("horovod", horovod, 100.0)][:: 1 if RANK else -1]
+    threads = [threading.Thread(target=sum_of, args=args, daemon=True) for args in (first, then)]
+    threads[0].start()
+    time.sleep(0.5)  # the first one is in its agreement (which waits for the others)
+    threads[1].start()
+    for thread in threads:
+        thread.join(timeout=120)
+    WORLD.Barrier()
+    total = SIZE * (SIZE + 1) / 2
+    assert (errors, results) == ([], {"strategy": total, "horovod": 100 * total})
 
 
 def test_small_collectives_take_one_mpi_call_and_large_ones_two():
@@ -414,9 +449,10 @@ def test_a_timeout_is_deadline_exceeded_in_eager_and_unknown_in_a_function(in_fu
         WORLD.Barrier()  # rank 0 has timed out
         if RANK != 0:
             # Complete rank 0's pending signature exchange (not the data that
-            # would follow), so that no request is left pending, while rank 0
-            # waits in the barrier below, which progresses it.
-            agreement.Agreement(comm).agree(kinds.ALLREDUCE, np.float32, [(4,)], timeout=60)
+            # would follow; on the agreement's own communicator), so that no
+            # request is left pending, while rank 0 waits in the barrier
+            # below, which progresses it.
+            mpi.agreement.agree(kinds.ALLREDUCE, np.float32, [(4,)], timeout=60)
         WORLD.Barrier()
         comm.Free()
 

@@ -4,6 +4,7 @@ that both elastic faces share (``elastic.run`` and Horovod's ``hvd.elastic``).""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -11,12 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
+import tensorflow as tf
 from mpi4py import MPI
 
-from mpi_strategy._src.core import ulfm
-from mpi_strategy._src.core.errors import RanksLostError, TooFewRanksError
+from mpi_strategy._src.core import failure, ulfm
+from mpi_strategy._src.core.errors import MPIStrategyError, TooFewRanksError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.core.process import PROCESS
+from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.distribute.strategy import MPIStrategy
 from mpi_strategy._src.features.elastic import disk, state as state_lib, ulfm_exit
 from mpi_strategy._src.features.elastic.state import State
@@ -44,10 +47,40 @@ def record() -> ElasticRecord:
 Continued = TypeVar("Continued")
 
 
-def ranks_were_lost(strategy: MPIStrategy, error: BaseException) -> bool:
-    """True if ``error`` comes from a lost rank. Inside tf.function the
-    RanksLostError arrives as a tf.errors class; the communicator remembers it."""
-    return isinstance(error, RanksLostError) or strategy.extended.ordered_comm.failed
+def ranks_were_lost(strategy: MPIStrategy, error: BaseException, since: int) -> bool:
+    """True if ``error``, raised by code started at ``failure.lost_mark()`` =
+    ``since``, comes from a lost rank (``failure.ranks_were_lost``, the rule
+    Horovod's face follows too)."""
+    return failure.ranks_were_lost(error, [strategy.extended.ordered_comm], since)
+
+
+class StaleCollectiveError(MPIStrategyError):
+    """A collective of a ``tf.function`` traced before a recovery, on the
+    communicator of before it (every survivor that calls it raises this)."""
+
+
+StaleCollectiveError.__module__ = "mpi_strategy.elastic"  # its public name
+
+
+def is_stale(error: BaseException) -> bool:
+    """A ``StaleCollectiveError``, also as it leaves a tf.function (its name in
+    the message): every survivor raises it at once."""
+    return isinstance(error, StaleCollectiveError) or (
+        isinstance(error, tf.errors.OpError) and StaleCollectiveError.__name__ in str(error)
+    )
+
+
+failure.raised_by_every_living_rank(is_stale)
+
+
+def _stale(size: int) -> StaleCollectiveError:
+    return StaleCollectiveError(
+        f"mpi_strategy.elastic: a collective ran on the {size}-rank communicator of "
+        "before the last recovery, from a tf.function traced before it. A traced function "
+        "keeps the collectives and the world size of its trace: build the tf.functions "
+        "(and Keras models' train functions) inside the function that elastic.run "
+        "decorates, so that each call after a recovery traces them anew."
+    )
 
 
 def recover(
@@ -57,8 +90,8 @@ def recover(
     (collective over the survivors). With fewer than ``min_ranks`` survivors,
     saves that commit in ``directory`` and raises ``TooFewRanksError``."""
     times = {"detected_at": time.time()}
-    old = strategy.extended.ordered_comm.comm
-    before = old.Get_size()
+    ordered = strategy.extended.ordered_comm
+    before = ordered.size
     started = time.monotonic()
 
     def agree_and_continue(survivors: MPI.Intracomm) -> int:
@@ -68,7 +101,9 @@ def recover(
         continue_on(strategy, state, survivors)
         return int(number[0])
 
-    survivors, commit = shrink_and_continue(old, agree_and_continue)
+    survivors, commit = retire_and_shrink(
+        ordered, functools.partial(_stale, before), agree_and_continue
+    )
     size = survivors.Get_size()
     times["rebuild_s"] = time.monotonic() - started - times["shrink_s"]
     state.restore(commit)
@@ -95,6 +130,20 @@ def recover(
     )
 
 
+def retire_and_shrink(
+    ordered: OrderedComm,
+    stale: Callable[[], Exception],
+    continue_there: Callable[[MPI.Intracomm], Continued],
+) -> tuple[MPI.Intracomm, Continued]:
+    """``shrink_and_continue`` from ``ordered``'s communicator, once every later
+    collective of ``ordered`` (a tf.function traced before the recovery keeps
+    it) raises ``stale()`` instead of calling MPI there (on a revoked
+    communicator it would raise ``RanksLostError``: another recovery, with no
+    rank lost). Both elastic faces recover through it."""
+    ordered.collectives.retire(stale)
+    return shrink_and_continue(ordered.comm, continue_there)
+
+
 def shrink_and_continue(
     comm: MPI.Intracomm, continue_there: Callable[[MPI.Intracomm], Continued]
 ) -> tuple[MPI.Intracomm, Continued]:
@@ -107,10 +156,11 @@ def shrink_and_continue(
     while True:
         survivors = ulfm.shrink(comm)
         continued: list[Continued] = []
+        since = failure.lost_mark()
         try:
             continued.append(continue_there(survivors))
         except Exception as error:
-            if not (ulfm.is_process_failure(error) or isinstance(error, RanksLostError)):
+            if not failure.ranks_were_lost(error, since=since):
                 raise
             ulfm.revoke(survivors)  # the survivors still in its collectives leave them
         if ulfm.all_agree(survivors, bool(continued)):

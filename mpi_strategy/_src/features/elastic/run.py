@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import tensorflow as tf
 from mpi4py import MPI
 
-from mpi_strategy._src.core import ulfm
+from mpi_strategy._src.core import failure, ulfm
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.distribute.strategy import MPIStrategy
@@ -118,12 +118,13 @@ def _train_until_done(
     kwargs: dict[str, Any],
 ) -> Result:
     while True:
+        since = failure.lost_mark()
         try:
             return train(state, *args, **kwargs)
         except regrowth_lib.WorldGrew:
             continue  # at the commit just made, on more ranks
         except Exception as error:  # only lost ranks are handled: others re-raised
-            if not recovery.ranks_were_lost(strategy, error):
+            if not recovery.ranks_were_lost(strategy, error, since):
                 raise
             recovery.recover(strategy, state, min_ranks, directory, error)
             if regrowth:

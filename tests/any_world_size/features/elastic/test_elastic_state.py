@@ -8,7 +8,9 @@ import pytest
 import tensorflow as tf
 
 import mpi_strategy
-from mpi_testing import mpi_strategy_under_test
+from mpi_strategy._src.features.elastic import recovery
+from mpi_strategy.errors import RanksLostError
+from mpi_testing import SIZE, mpi_strategy_under_test
 
 
 def _model_and_optimizer(strategy):
@@ -73,3 +75,36 @@ def test_run_returns_and_lets_other_errors_through():
     with pytest.raises(ValueError, match="not a lost rank"):
         train(True)
     assert calls == [0, 0]  # no retry
+
+
+def test_run_recovers_from_a_rank_lost_on_another_communicator_inside_a_tf_function(
+    monkeypatch,
+):
+    """A RanksLostError of a communicator other than the strategy's (a second
+    OrderedComm, a Horovod set) raised inside a tf.function reaches elastic.run
+    as a tf.errors class, with the strategy's communicator not failed: it is
+    still a lost rank (the rule Horovod's face follows too)."""
+    # No rank dies here (that needs ULFM): the "survivors" are every rank, on a
+    # duplicate of the communicator, which is what the recovery must use.
+    monkeypatch.setattr(recovery.ulfm, "shrink", lambda comm: comm.Dup())
+    strategy = mpi_strategy_under_test()
+    model, optimizer = _model_and_optimizer(strategy)
+    state = mpi_strategy.elastic.State(model, optimizer, step=0)
+    recoveries = len(recovery.record().recoveries)
+    calls = []
+
+    def lose_a_rank():
+        raise RanksLostError("simulated: a rank of another communicator died")
+
+    @mpi_strategy.elastic.run(strategy, state)
+    def train(state):
+        calls.append(state.step)
+        if len(calls) == 1:
+            state.step = 3  # not committed: rolled back
+            tf.function(lambda: tf.numpy_function(lose_a_rank, [], tf.float32))()
+        return "done"
+
+    assert train() == "done" and calls == [0, 0]
+    assert len(recovery.record().recoveries) == recoveries + 1
+    assert strategy.extended.ordered_comm.size == SIZE
+    _step(strategy, model, optimizer)  # on the survivors' communicator

