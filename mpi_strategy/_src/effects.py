@@ -256,7 +256,8 @@ def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
             for owner, name, wrapper in _SHARDING_WRAPPERS:
                 _replace(owner, name, wrapper)
         if package == "tf_keras":
-            _replace(_keras_internal.TF_KERAS_OPTIMIZER, "build", sharding.tf_keras_build_wrapper)
+            for owner, name, wrapper in _TF_KERAS_SHARDING_WRAPPERS:
+                _replace(owner, name, wrapper)
         if package == "tf_keras":
             for name in _keras_internal.TF_KERAS_FILE_UTIL_NAMES:
                 _replace(
@@ -299,6 +300,22 @@ _SHARDING_WRAPPERS = (
         "load_own_variables",
         sharding.load_own_variables_wrapper,
     ),
+)
+
+
+_TF_KERAS_SHARDING_WRAPPERS = (
+    (_keras_internal.TF_KERAS_OPTIMIZER, "build", sharding.tf_keras_build_wrapper),
+    (
+        _keras_internal.TF_KERAS_DISTRIBUTED_OPTIMIZER,
+        "add_variable_from_reference",
+        sharding.tf_keras_add_variable_from_reference_wrapper,
+    ),
+    (
+        _keras_internal.TF_KERAS_DISTRIBUTED_OPTIMIZER,
+        "_distributed_apply_gradients_fn",
+        sharding.tf_keras_apply_gradients_wrapper,
+    ),
+    (_keras_internal.TF_KERAS_OPTIMIZER, "_update_step", sharding.tf_keras_update_step_wrapper),
 )
 
 
