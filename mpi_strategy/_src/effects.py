@@ -88,7 +88,9 @@ EFFECTS = (
         "each rank keeps the slots of its share of the variables (and, sharding gradients, "
         "receives the sum of their gradients only), updates those and "
         "gathers the others; Keras saves stream each slot from its owner; tf_keras's "
-        "`_BaseOptimizer.build` raises (not sharded yet)",
+        "`_BaseOptimizer.build`, `_update_step`, `Optimizer.add_variable_from_reference`, "
+        "`_distributed_apply_gradients_fn` (`_keras_internal.TF_KERAS_SHARDED_UPDATE`) "
+        "the same for tf_keras's optimizers",
         "for an optimizer built in the scope of an MPIStrategy(shard=...) of several ranks",
     ),
     Effect(
