@@ -1,5 +1,5 @@
 """Keras 3 optimizers under ``MPIStrategy(shard="optimizer")`` (ZeRO stage 1)
-and ``shard="gradients"`` (stage 2).
+and ``shard="gradients"`` (stage 2); tf_keras's under ``shard="optimizer"``.
 
 An optimizer built in the scope of a sharding MPIStrategy of several ranks
 partitions the variables it was built with (``distribute/sharding.partition``)
@@ -17,6 +17,13 @@ and, through the methods wrapped here (``effects.py`` installs them):
   Keras' ``BackupAndRestore``): each slot gathered whole on every rank from
   the ranks that hold it, one at a time; a load sets what this rank holds.
 
+tf_keras's optimizers (``shard="optimizer"``; ``TF_KERAS_SUPPORTED``) use the
+same plan, slots and all-gather: ``_BaseOptimizer.build`` makes the plan,
+``Optimizer.add_variable_from_reference`` each rank's slots, and
+``Optimizer._distributed_apply_gradients_fn`` (given the gradients tf_keras
+summed and clipped) updates this rank's share, gathers the rest, then runs the
+original for its EMA and step count, with ``_update_step`` a no-op.
+
 The update is the replicated one, restricted to this rank's share: every number
 equals the unsharded run's (same sums, same ops; stage 2's reduce-scatter may
 add three or more ranks' gradients in another order than the all-reduce).
@@ -28,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +56,8 @@ _REPLICATED_SLOTS = ("average", "gradient_accumulator")
 # Initializers that start a slot alike on every rank with no broadcast.
 _CONSTANT_INITIALIZERS = ("Zeros", "Ones", "Constant")
 _PLAN = "_mpi_strategy_plan"
+# Set on a tf_keras optimizer while its original step runs after this rank's updates.
+_UPDATED = "_mpi_strategy_updated"
 
 
 @dataclass(frozen=True)
@@ -535,9 +543,6 @@ def tf_keras_add_variable_from_reference_wrapper(
     return add_variable_from_reference
 
 
-_updated = threading.local()
-
-
 def tf_keras_apply_gradients_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """tf_keras's ``Optimizer._distributed_apply_gradients_fn`` (in the merge
     call, with the summed gradients): this rank's variables (and rows)
@@ -563,11 +568,11 @@ def tf_keras_apply_gradients_wrapper(original: Callable[..., Any]) -> Callable[.
             )
         _update_rows(distribution, self, plan, rows)
         _assign_from_pieces(distribution, plan, variables, indices)
-        _updated.done = True
+        object.__setattr__(self, _UPDATED, True)  # (not a tracked attribute)
         try:
             return original(self, distribution, grads_and_vars, **kwargs)
         finally:
-            _updated.done = False
+            object.__setattr__(self, _UPDATED, False)
 
     return _distributed_apply_gradients_fn
 
@@ -582,7 +587,7 @@ def tf_keras_update_step_wrapper(original: Callable[..., Any]) -> Callable[..., 
 
     @functools.wraps(original)
     def _update_step(self: Any, gradient: Any, variable: Any) -> Any:
-        if getattr(_updated, "done", False):
+        if self.__dict__.get(_UPDATED):
             return None
         return original(self, gradient, variable)
 
