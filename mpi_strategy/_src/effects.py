@@ -88,7 +88,8 @@ EFFECTS = (
         "each rank keeps the slots of its share of the variables (and, sharding gradients, "
         "receives the sum of their gradients only), updates those and "
         "gathers the others; Keras saves stream each slot from its owner; tf_keras's "
-        "`_BaseOptimizer.build`, `_update_step`, `Optimizer.add_variable_from_reference`, "
+        "`_BaseOptimizer.build`, `_update_step`, `save_own_variables`, `load_own_variables`, "
+        "`Optimizer.add_variable_from_reference`, "
         "`_distributed_apply_gradients_fn` (`_keras_internal.TF_KERAS_SHARDED_UPDATE`) "
         "the same for tf_keras's optimizers",
         "for an optimizer built in the scope of an MPIStrategy(shard=...) of several ranks",
@@ -318,6 +319,8 @@ _TF_KERAS_SHARDING_WRAPPERS = (
         sharding.tf_keras_apply_gradients_wrapper,
     ),
     (_keras_internal.TF_KERAS_OPTIMIZER, "_update_step", sharding.tf_keras_update_step_wrapper),
+    (_keras_internal.TF_KERAS_OPTIMIZER, "save_own_variables", sharding.save_own_variables_wrapper),
+    (_keras_internal.TF_KERAS_OPTIMIZER, "load_own_variables", sharding.load_own_variables_wrapper),
 )
 
 

@@ -22,7 +22,8 @@ same plan, slots and all-gather: ``_BaseOptimizer.build`` makes the plan,
 ``Optimizer.add_variable_from_reference`` each rank's slots, and
 ``Optimizer._distributed_apply_gradients_fn`` (given the gradients tf_keras
 summed and clipped) updates this rank's share, gathers the rest, then runs the
-original for its EMA and step count, with ``_update_step`` a no-op.
+original for its EMA and step count, with ``_update_step`` a no-op; its
+``save_own_variables`` / ``load_own_variables`` are wrapped as Keras 3's.
 
 The update is the replicated one, restricted to this rank's share: every number
 equals the unsharded run's (same sums, same ops; stage 2's reduce-scatter may

@@ -8,7 +8,8 @@ MPIStrategy(shard=...), bit for bit (the same sums, the same update ops, run
 by the owner; a reduce-scatter's sums of three ranks may be associated
 otherwise: within 1e-6 there), after every step, on every rank, for each
 Keras 3 optimizer built from slots; 100 Adam steps against MirroredStrategy on
-as many devices, within a stated bound. A sharded checkpoint holds, key for key, the
+as many devices, within a stated bound. tf_keras's optimizers (shard="optimizer")
+through the same tests, parametrized over the Keras (``both_kerases``). A sharded checkpoint holds, key for key, the
 bytes of the unsharded run's, written by the ranks that hold them; it restores
 into an unsharded run and into a sharded one (an unsharded run's too), and
 training goes on to the same bits. Keras' own saves (.weights.h5) too.
@@ -509,18 +510,19 @@ def test_a_checkpoint_restores_at_another_world_size_and_in_one_process(sharded,
 
 
 @partitioned
+@both_kerases
 def test_keras_weights_files_hold_every_slot_and_load_into_a_sharded_model(
-    strategy, sharded, shared_dir
+    strategy, sharded, shared_dir, k
 ):
     path = os.path.join(shared_dir, "model.weights.h5")
-    _, optimizer, _ = train(strategy, OPTIMIZERS["adam"])
-    model, sharded_optimizer, _ = train(sharded, OPTIMIZERS["adam"])
+    _, optimizer, _ = train(strategy, OPTIMIZERS_OF[k]["adamw"], k=k)
+    model, sharded_optimizer, _ = train(sharded, OPTIMIZERS_OF[k]["adamw"], k=k)
     model.compile(optimizer=sharded_optimizer, loss="mse")
     model.save_weights(path)
     for on in (strategy, sharded):
         with on.scope():
-            loaded = _model()
-            loaded.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+            loaded = _model(k)
+            loaded.compile(optimizer=OPTIMIZERS_OF[k]["adamw"](), loss="mse")
             loaded.optimizer.build(loaded.trainable_variables)
         loaded.load_weights(path)
         _assert_slots_equal(loaded.optimizer, optimizer)
