@@ -8,8 +8,9 @@ MPIStrategy(shard=...), bit for bit (the same sums, the same update ops, run
 by the owner; a reduce-scatter's sums of three ranks may be associated
 otherwise: within 1e-6 there), after every step, on every rank, for each
 Keras 3 optimizer built from slots; 100 Adam steps against MirroredStrategy on
-as many devices, within a stated bound. tf_keras's optimizers (shard="optimizer")
-through the same tests, parametrized over the Keras (``both_kerases``). A sharded checkpoint holds, key for key, the
+as many devices, within a stated bound. tf_keras's optimizers
+(shard="optimizer") through the same tests, parametrized over the Keras
+(``both_kerases``). A sharded checkpoint holds, key for key, the
 bytes of the unsharded run's, written by the ranks that hold them; it restores
 into an unsharded run and into a sharded one (an unsharded run's too), and
 training goes on to the same bits. Keras' own saves (.weights.h5) too.
