@@ -319,8 +319,31 @@ KERAS3_SHARDED_UPDATE = (
 # and the variables it was built with (set at the end of BaseOptimizer.build,
 # before a subclass makes its slots).
 KERAS3_OPTIMIZER_STRATEGY = "_distribution_strategy"
-# tf_keras's optimizers are not sharded: their build raises under shard=.
+# tf_keras's optimizers (shard="optimizer"): _BaseOptimizer.build makes the
+# partition; Optimizer.add_variable_from_reference makes each rank's slots;
+# Optimizer._distributed_apply_gradients_fn (the merge call applying the
+# summed gradients) updates this rank's share and gathers the rest, then lets
+# the original do the EMA and the step count, its _update_step made a no-op.
+# (Their strategy is in the attribute of KERAS3_OPTIMIZER_STRATEGY too.)
 TF_KERAS_OPTIMIZER = "tf_keras.src.optimizers.optimizer:_BaseOptimizer"
+TF_KERAS_DISTRIBUTED_OPTIMIZER = "tf_keras.src.optimizers.optimizer:Optimizer"
+TF_KERAS_SHARDED_UPDATE = (
+    OverriddenMethod(
+        TF_KERAS_DISTRIBUTED_OPTIMIZER,
+        "add_variable_from_reference",
+        ("model_variable", "variable_name", "shape", "initial_value"),
+        (2, 21),
+    ),
+    OverriddenMethod(
+        TF_KERAS_DISTRIBUTED_OPTIMIZER,
+        "_distributed_apply_gradients_fn",
+        ("distribution", "grads_and_vars", "kwargs"),
+        (2, 21),
+    ),
+    OverriddenMethod(TF_KERAS_OPTIMIZER, "_update_step", ("gradient", "variable"), (2, 21)),
+)
+# ... and, as Keras 3's, enters a shadow in this dict (variable key -> position).
+TF_KERAS_OPTIMIZER_INDICES = "_index_dict"
 KERAS3_OPTIMIZER_BUILT_WITH = "_trainable_variables"
 # ... and, to update the rows of a variable a rank holds in part, has the
 # optimizer's own update_step look up the slots of those rows: it enters the
@@ -333,6 +356,7 @@ OVERRIDDEN_METHODS = (
     TF_KERAS_LEGACY_COMPUTE_GRADIENTS,
     TF_KERAS_LEGACY_AGGREGATE_GRADIENTS,
     *KERAS3_SHARDED_UPDATE,
+    *TF_KERAS_SHARDED_UPDATE,
 )
 
 

@@ -88,7 +88,10 @@ EFFECTS = (
         "each rank keeps the slots of its share of the variables (and, sharding gradients, "
         "receives the sum of their gradients only), updates those and "
         "gathers the others; Keras saves stream each slot from its owner; tf_keras's "
-        "`_BaseOptimizer.build` raises (not sharded yet)",
+        "`_BaseOptimizer.build`, `_update_step`, `save_own_variables`, `load_own_variables`, "
+        "`Optimizer.add_variable_from_reference`, "
+        "`_distributed_apply_gradients_fn` (`_keras_internal.TF_KERAS_SHARDED_UPDATE`) "
+        "the same for tf_keras's optimizers",
         "for an optimizer built in the scope of an MPIStrategy(shard=...) of several ranks",
     ),
     Effect(
@@ -256,7 +259,8 @@ def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
             for owner, name, wrapper in _SHARDING_WRAPPERS:
                 _replace(owner, name, wrapper)
         if package == "tf_keras":
-            _replace(_keras_internal.TF_KERAS_OPTIMIZER, "build", sharding.tf_keras_build_wrapper)
+            for owner, name, wrapper in _TF_KERAS_SHARDING_WRAPPERS:
+                _replace(owner, name, wrapper)
         if package == "tf_keras":
             for name in _keras_internal.TF_KERAS_FILE_UTIL_NAMES:
                 _replace(
@@ -299,6 +303,24 @@ _SHARDING_WRAPPERS = (
         "load_own_variables",
         sharding.load_own_variables_wrapper,
     ),
+)
+
+
+_TF_KERAS_SHARDING_WRAPPERS = (
+    (_keras_internal.TF_KERAS_OPTIMIZER, "build", sharding.tf_keras_build_wrapper),
+    (
+        _keras_internal.TF_KERAS_DISTRIBUTED_OPTIMIZER,
+        "add_variable_from_reference",
+        sharding.tf_keras_add_variable_from_reference_wrapper,
+    ),
+    (
+        _keras_internal.TF_KERAS_DISTRIBUTED_OPTIMIZER,
+        "_distributed_apply_gradients_fn",
+        sharding.tf_keras_apply_gradients_wrapper,
+    ),
+    (_keras_internal.TF_KERAS_OPTIMIZER, "_update_step", sharding.tf_keras_update_step_wrapper),
+    (_keras_internal.TF_KERAS_OPTIMIZER, "save_own_variables", sharding.save_own_variables_wrapper),
+    (_keras_internal.TF_KERAS_OPTIMIZER, "load_own_variables", sharding.load_own_variables_wrapper),
 )
 
 

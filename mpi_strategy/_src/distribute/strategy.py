@@ -129,10 +129,10 @@ class MPIStrategy(tf.distribute.Strategy):
         ``"optimizer"``: each rank keeps the optimizer's per-variable state
         (Adam's moments, momentum, ...) for its share of the variables only,
         about 1/N of it, updates those variables and all-gathers them (ZeRO
-        stage 1; Keras 3 optimizers; the same numbers as without it; see
+        stage 1; Keras 3 and tf_keras optimizers; the same numbers as without it; see
         docs/sharding.md). ``"gradients"``: that, and the gradients are
         summed by a reduce-scatter, each rank receiving the sum of its share
-        only (ZeRO stage 2; exact sums, no ``compression``; the same numbers
+        only (ZeRO stage 2; Keras 3 optimizers; exact sums, no ``compression``; the same numbers
         at 2 ranks, beyond which MPI may add in another order). Every rank
         must pass the same.
     """

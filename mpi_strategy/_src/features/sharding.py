@@ -1,5 +1,5 @@
 """Keras 3 optimizers under ``MPIStrategy(shard="optimizer")`` (ZeRO stage 1)
-and ``shard="gradients"`` (stage 2).
+and ``shard="gradients"`` (stage 2); tf_keras's under ``shard="optimizer"``.
 
 An optimizer built in the scope of a sharding MPIStrategy of several ranks
 partitions the variables it was built with (``distribute/sharding.partition``)
@@ -16,6 +16,14 @@ and, through the methods wrapped here (``effects.py`` installs them):
 * ``save_own_variables`` / ``load_own_variables`` (``.keras``, ``.weights.h5``,
   Keras' ``BackupAndRestore``): each slot gathered whole on every rank from
   the ranks that hold it, one at a time; a load sets what this rank holds.
+
+tf_keras's optimizers (``shard="optimizer"``; ``TF_KERAS_SUPPORTED``) use the
+same plan, slots and all-gather: ``_BaseOptimizer.build`` makes the plan,
+``Optimizer.add_variable_from_reference`` each rank's slots, and
+``Optimizer._distributed_apply_gradients_fn`` (given the gradients tf_keras
+summed and clipped) updates this rank's share, gathers the rest, then runs the
+original for its EMA and step count, with ``_update_step`` a no-op; its
+``save_own_variables`` / ``load_own_variables`` are wrapped as Keras 3's.
 
 The update is the replicated one, restricted to this rank's share: every number
 equals the unsharded run's (same sums, same ops; stage 2's reduce-scatter may
@@ -49,6 +57,8 @@ _REPLICATED_SLOTS = ("average", "gradient_accumulator")
 # Initializers that start a slot alike on every rank with no broadcast.
 _CONSTANT_INITIALIZERS = ("Zeros", "Ones", "Constant")
 _PLAN = "_mpi_strategy_plan"
+# Set on a tf_keras optimizer while its original step runs after this rank's updates.
+_UPDATED = "_mpi_strategy_updated"
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,8 @@ class Plan:
     index_by_id: dict[int, int]
     pieces: tuple[tuple[sharding.Piece, ...], ...]
     shadows: dict[int, Any]
+    # The optimizer's dict of its variables' positions, by its _var_key.
+    positions: str
 
     def index(self, variable: Any) -> int | None:
         """The variable's position in the list the optimizer was built with."""
@@ -90,23 +102,44 @@ def plan_of(optimizer: Any, create: bool = False) -> Plan | None:
     if strategy is None or not variables:
         return None
     _check_supported(optimizer)
+    return _make_plan(optimizer, strategy, variables, _KERAS3)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What differs between Keras 3's and tf_keras's optimizers here."""
+
+    make: Callable[..., Any]  # (shape, dtype, name) -> a shadow
+    positions: str  # the optimizer's dict of its variables' positions
+
+
+def _make_plan(
+    optimizer: Any, strategy: MPIStrategy, variables: Sequence[Any], kind: _Kind
+) -> Plan:
+    """The partition of ``variables`` (the same on every rank) and this
+    rank's shadows, set on the optimizer."""
     ordered = strategy.extended.ordered_comm
     pieces = tuple(sharding.partition([_rows_and_bytes(v) for v in variables], ordered.size))
     sharding.check_same_partition(ordered, pieces)
     shadows = {
-        i: _shadow(strategy, v, piece)
+        i: _shadow(strategy, v, piece, kind.make)
         for i, (v, cut) in enumerate(zip(variables, pieces))
         for piece in cut
         if piece.rank == ordered.rank and len(cut) > 1
     }
-    plan = Plan(ordered, {id(v): i for i, v in enumerate(variables)}, pieces, shadows)
+    by_id = {id(v): i for i, v in enumerate(variables)}
+    plan = Plan(ordered, by_id, pieces, shadows, kind.positions)
     object.__setattr__(optimizer, _PLAN, plan)  # (not a tracked attribute)
     return plan
 
 
 def _sharding(optimizer: Any) -> MPIStrategy | None:
     """The optimizer's strategy if it is a sharding MPIStrategy of several ranks."""
-    strategy = getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_STRATEGY, None)
+    return _sharding_strategy(getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_STRATEGY, None))
+
+
+def _sharding_strategy(strategy: Any) -> MPIStrategy | None:
+    """``strategy`` if it is a sharding MPIStrategy of several ranks."""
     if (
         isinstance(strategy, MPIStrategy)
         and strategy.extended.shard
@@ -156,16 +189,30 @@ def _rows_and_bytes(variable: Any) -> tuple[int, int]:
     return rows, int(np.prod(shape)) * tf.as_dtype(variable.dtype).size // max(rows, 1)
 
 
-def _shadow(strategy: MPIStrategy, variable: Any, piece: sharding.Piece) -> Any:
-    """A variable of ``piece``'s rows of ``variable``, made by this rank alone."""
-    with strategy.extended.colocate_vars_with(variable.value), sharding.slots_start_alike():
-        return _keras().Variable(
-            initializer="zeros",
-            shape=(piece.stop - piece.start, *variable.shape[1:]),
-            dtype=variable.dtype,
-            trainable=False,
-            name=f"{variable.name}_rows_{piece.start}_{piece.stop}",
-        )
+def _shadow(
+    strategy: MPIStrategy, variable: Any, piece: sharding.Piece, make: Callable[..., Any]
+) -> Any:
+    """A variable of ``piece``'s rows of ``variable``, made by this rank alone
+    with ``make`` (shape, dtype, name)."""
+    shape = (piece.stop - piece.start, *variable.shape[1:])
+    name = f"{variable.name.split(':')[0]}_rows_{piece.start}_{piece.stop}"
+    colocated = strategy.extended.colocate_vars_with(_tf_variable(variable))
+    with colocated, sharding.slots_start_alike():
+        return make(shape, variable.dtype, name)
+
+
+def _keras3_variable(shape: Any, dtype: Any, name: str) -> Any:
+    return _keras().Variable(
+        initializer="zeros", shape=shape, dtype=dtype, trainable=False, name=name
+    )
+
+
+def _tf_keras_variable(shape: Any, dtype: Any, name: str) -> Any:
+    return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name)
+
+
+_KERAS3 = _Kind(_keras3_variable, _keras_internal.KERAS3_OPTIMIZER_INDICES)
+_TF_KERAS = _Kind(_tf_keras_variable, _keras_internal.TF_KERAS_OPTIMIZER_INDICES)
 
 
 def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -184,30 +231,40 @@ def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callabl
         if plan is None or index is None:
             return original(self, reference_variable, name=name, initializer=initializer)
         _check_constant(self, name, initializer)
-        held = sharding.Held(plan.pieces[index], plan.ordered, reference_variable.shape)
-        here = held.here
-        if here is None:
-            creator = sharding.placeholder_creator(reference_variable.shape, held.ranks())
-            with tf.variable_creator_scope(creator):
-                slot = original(self, reference_variable, name=name, initializer=initializer)
-        else:
-            rows = reference_variable if held.whole_here else plan.shadows[index]
-            creator = _unchanged if held.whole_here else sharding.rows_creator(here)
-            with sharding.slots_start_alike(), tf.variable_creator_scope(creator):
-                slot = original(self, rows, name=name, initializer=initializer)
-        sharding.mark_slot(slot, held)
-        return slot
+        return _slot(
+            plan,
+            index,
+            reference_variable,
+            lambda rows, _: original(self, rows, name=name, initializer=initializer),
+        )
 
     return add_variable_from_reference
+
+
+def _slot(plan: Plan, index: int, reference: Any, make: Callable[[Any, Any], Any]) -> Any:
+    """The slot of variable ``index`` (``reference``) as this rank holds it:
+    ``make(variable, piece)`` makes it of ``reference`` (``piece`` None) on the
+    rank that holds all of it, of the rows' shadow (``piece``: the rows) on a
+    rank that holds some, a placeholder (no data) on the others."""
+    held = sharding.Held(plan.pieces[index], plan.ordered, reference.shape)
+    here = held.here
+    if here is None:
+        creator = sharding.placeholder_creator(reference.shape, held.ranks())
+        with tf.variable_creator_scope(creator):
+            slot = make(reference, None)
+    elif held.whole_here:
+        with sharding.slots_start_alike():
+            slot = make(reference, None)
+    else:
+        with sharding.slots_start_alike(), tf.variable_creator_scope(sharding.rows_creator(here)):
+            slot = make(plan.shadows[index], here)
+    sharding.mark_slot(slot, held)
+    return slot
 
 
 def _keras() -> Any:
     """Keras 3 (imported by the program already: these wrappers are installed once it is)."""
     return importlib.import_module("keras")
-
-
-def _unchanged(next_creator: Any, **kwargs: Any) -> Any:
-    return next_creator(**kwargs)
 
 
 def _check_constant(optimizer: Any, name: Any, initializer: Any) -> None:
@@ -245,14 +302,15 @@ def backend_update_step_wrapper(original: Callable[..., Any]) -> Callable[..., A
             held_here = [(k, grad) for k, (grad, _) in enumerate(summed)]
             whole, rows = _whole_and_rows(plan, held_here, variables, indices, whole_grads=True)
             merge_call(self._distributed_tf_update_step, strategy, whole, learning_rate)
-            merge_call(_update_rows, strategy, self, rows, learning_rate)
+            merge_call(_update_rows, strategy, self, plan, rows, learning_rate)
         merge_call(_assign_from_pieces, strategy, plan, variables, indices)
 
     return _backend_update_step
 
 
 def _tf_variable(variable: Any) -> Any:
-    return variable.value if isinstance(variable, _keras().Variable) else variable
+    """The TensorFlow variable of a Keras 3 variable (a tf_keras one is one)."""
+    return variable if isinstance(variable, tf.Variable) else variable.value
 
 
 def _scatter_and_update(
@@ -274,7 +332,7 @@ def _scatter_and_update(
     mine = sharding.scatter_pieces(plan.ordered, local, shapes, pieces, timeout)
     whole, rows = _whole_and_rows(plan, mine.items(), variables, indices, whole_grads=False)
     optimizer._distributed_tf_update_step(distribution, whole, learning_rate)
-    _update_rows(distribution, optimizer, rows, learning_rate)
+    _update_rows(distribution, optimizer, plan, rows, learning_rate)
 
 
 def _whole_and_rows(
@@ -300,22 +358,23 @@ def _whole_and_rows(
 
 
 def _update_rows(
-    distribution: Any, optimizer: Any, rows: Sequence[Any], learning_rate: Any
+    distribution: Any, optimizer: Any, plan: Plan, rows: Sequence[Any], *step_args: Any
 ) -> None:
     """The optimizer's own update of this rank's rows of variables held in
-    pieces: each shadow takes the rows of its variable, and the update those
-    rows of its gradient (``whole_grad``; else the gradient is of the rows).
+    pieces: each shadow takes the rows of its variable, and the update
+    (``update_step(rows, shadow, *step_args)``) those rows of its gradient
+    (``whole_grad``; else the gradient is of the rows).
     (Flags and pieces, not new objects per replica: a merge call would take
     those for per-replica values.)"""
-    indices = getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_INDICES)
+    indices = getattr(optimizer, plan.positions)
     for grad, whole_grad, variable, shadow, piece in rows:
         key = optimizer._var_key(shadow)
         indices[key] = indices[optimizer._var_key(variable)]  # (its slots: the rows')
         try:
             distribution.extended.update(
-                shadow.value,
+                _tf_variable(shadow),
                 functools.partial(_update_piece, optimizer, piece, whole_grad),
-                args=(grad, variable, learning_rate),
+                args=(grad, variable, *step_args),
                 group=False,
             )
         finally:
@@ -329,12 +388,12 @@ def _update_piece(
     shadow: Any,
     grad: Any,
     variable: Any,
-    lr: Any,
+    *step_args: Any,
 ) -> Any:
     shadow.assign(variable[piece.start : piece.stop])
     grad = tf.convert_to_tensor(grad)
     rows = grad[piece.start : piece.stop] if whole_grad else grad
-    return optimizer.update_step(rows, shadow, lr)
+    return optimizer.update_step(rows, shadow, *step_args)
 
 
 def _assign_from_pieces(
@@ -346,7 +405,7 @@ def _assign_from_pieces(
     mine = {}
     for k, (variable, i) in enumerate(zip(variables, indices)):
         if any(p.rank == plan.ordered.rank for p in plan.pieces[i]):
-            held = plan.shadows[i].value if i in plan.shadows else variable
+            held = _tf_variable(plan.shadows[i]) if i in plan.shadows else variable
             mine[k] = tf.convert_to_tensor(held)
     shapes = [tf.TensorShape(v.shape) for v in variables]
     dtypes = [v.dtype for v in variables]
@@ -391,7 +450,7 @@ def _whole(variable: Any) -> np.ndarray:
     if held is None:
         return np.asarray(variable.numpy())
     shape, dtype = tf.TensorShape(held.shape), tf.as_dtype(variable.dtype)
-    mine = {0: tf.convert_to_tensor(variable.value)} if held.here else {}
+    mine = {0: tf.convert_to_tensor(_tf_variable(variable))} if held.here else {}
     (value,) = sharding.gather_pieces(held.ordered, [shape], [dtype], [held.pieces], mine)
     return np.asarray(variable.numpy() if value is None else value)
 
@@ -415,23 +474,122 @@ def load_own_variables_wrapper(original: Callable[..., Any]) -> Callable[..., An
 
 
 def tf_keras_build_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    """tf_keras's ``_BaseOptimizer.build``: raises in a sharding MPIStrategy of
-    several ranks (its optimizers are not sharded: the program would hold the
-    whole state while asking for a share)."""
+    """tf_keras's ``_BaseOptimizer.build``: in a sharding MPIStrategy of
+    several ranks, partitions ``var_list`` before the optimizer makes its slots
+    (raises for an optimizer it does not shard, and for shard="gradients")."""
 
     @functools.wraps(original)
     def build(self: Any, var_list: Any) -> Any:
-        strategy = tf.distribute.get_strategy()
-        if (
-            isinstance(strategy, MPIStrategy)
-            and strategy.extended.shard
-            and strategy.extended.comm.Get_size() > 1
-        ):
-            raise MPIStrategyError(
-                f"mpi_strategy: MPIStrategy(shard={strategy.extended.shard!r}) shards Keras 3 "
-                f"optimizers; tf_keras's {type(self).__name__} is not sharded yet. Use Keras "
-                "3's, or MPIStrategy() without shard=."
-            )
+        strategy = _sharding(self)
+        if strategy is not None and not getattr(self, "_built", False) and plan_of(self) is None:
+            _check_tf_keras_supported(self, strategy)
+            for method in _keras_internal.TF_KERAS_SHARDED_UPDATE:
+                _keras_internal.check_overridden(method)
+            _make_plan(self, strategy, list(var_list), _TF_KERAS)
         return original(self, var_list)
 
     return build
+
+
+# tf_keras optimizers whose update_step is elementwise over a variable and its
+# slots, all made by add_variable_from_reference at a constant. (Its Nadam
+# keeps a product over the steps outside its slots, advanced by whichever
+# variable's update comes first; its Ftrl and Adafactor are not sharded either.)
+TF_KERAS_SUPPORTED = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Lion")
+
+
+def _check_tf_keras_supported(optimizer: Any, strategy: MPIStrategy) -> None:
+    kind = type(optimizer)
+    if strategy.extended.shard != "optimizer":
+        raise MPIStrategyError(
+            f"mpi_strategy: MPIStrategy(shard={strategy.extended.shard!r}) shards Keras 3 "
+            f"optimizers; tf_keras's {kind.__name__} is sharded with shard='optimizer' only "
+            "(its gradients are clipped after they are summed). Use shard='optimizer'."
+        )
+    if not (kind.__module__.startswith("tf_keras.") and kind.__name__ in TF_KERAS_SUPPORTED):
+        raise MPIStrategyError(
+            f"mpi_strategy: MPIStrategy(shard='optimizer') shards the state of tf_keras' "
+            f"{', '.join(TF_KERAS_SUPPORTED)}; not of {kind.__name__}, whose update may read a "
+            "whole variable or keep state outside its slots. Use MPIStrategy() without shard=."
+        )
+
+
+def tf_keras_add_variable_from_reference_wrapper(
+    original: Callable[..., Any],
+) -> Callable[..., Any]:
+    """tf_keras's ``Optimizer.add_variable_from_reference``: as Keras 3's
+    (``_slot``); a slot of rows starts from the rows of ``initial_value``."""
+
+    @functools.wraps(original)
+    def add_variable_from_reference(
+        self: Any,
+        model_variable: Any,
+        variable_name: Any,
+        shape: Any = None,
+        initial_value: Any = None,
+    ) -> Any:
+        plan = plan_of(self)
+        index = plan.index(model_variable) if plan else None
+        if plan is None or index is None or variable_name in _REPLICATED_SLOTS:
+            return original(self, model_variable, variable_name, shape, initial_value)
+
+        def make(rows: Any, piece: sharding.Piece | None) -> Any:
+            start = initial_value
+            if piece is not None and initial_value is not None:
+                start = tf.convert_to_tensor(initial_value)[piece.start : piece.stop]
+            return original(self, rows, variable_name, shape, start)
+
+        return _slot(plan, index, model_variable, make)
+
+    return add_variable_from_reference
+
+
+def tf_keras_apply_gradients_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """tf_keras's ``Optimizer._distributed_apply_gradients_fn`` (in the merge
+    call, with the summed gradients): this rank's variables (and rows)
+    updated, the others gathered from the ranks that hold them; then the
+    original for the rest of the step (EMA, the step count), its own updates
+    skipped (``tf_keras_update_step_wrapper``)."""
+
+    @functools.wraps(original)
+    def _distributed_apply_gradients_fn(
+        self: Any, distribution: Any, grads_and_vars: Any, **kwargs: Any
+    ) -> Any:
+        plan = plan_of(self)
+        if plan is None:
+            return original(self, distribution, grads_and_vars, **kwargs)
+        grads_and_vars = list(grads_and_vars)
+        variables = [v for _, v in grads_and_vars]
+        indices = [plan.position(v) for v in variables]
+        grads = enumerate(g for g, _ in grads_and_vars)
+        whole, rows = _whole_and_rows(plan, grads, variables, indices, whole_grads=True)
+        for grad, variable in whole:
+            distribution.extended.update(
+                variable, functools.partial(_step, self), args=(grad,), group=False
+            )
+        _update_rows(distribution, self, plan, rows)
+        _assign_from_pieces(distribution, plan, variables, indices)
+        object.__setattr__(self, _UPDATED, True)  # (not a tracked attribute)
+        try:
+            return original(self, distribution, grads_and_vars, **kwargs)
+        finally:
+            object.__setattr__(self, _UPDATED, False)
+
+    return _distributed_apply_gradients_fn
+
+
+def _step(optimizer: Any, variable: Any, grad: Any) -> Any:
+    return optimizer._update_step(grad, variable)
+
+
+def tf_keras_update_step_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """tf_keras's ``_BaseOptimizer._update_step``: nothing, for a sharded
+    optimizer's step whose updates were made (``tf_keras_apply_gradients_wrapper``)."""
+
+    @functools.wraps(original)
+    def _update_step(self: Any, gradient: Any, variable: Any) -> Any:
+        if self.__dict__.get(_UPDATED):
+            return None
+        return original(self, gradient, variable)
+
+    return _update_step

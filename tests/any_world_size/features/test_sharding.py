@@ -8,7 +8,9 @@ MPIStrategy(shard=...), bit for bit (the same sums, the same update ops, run
 by the owner; a reduce-scatter's sums of three ranks may be associated
 otherwise: within 1e-6 there), after every step, on every rank, for each
 Keras 3 optimizer built from slots; 100 Adam steps against MirroredStrategy on
-as many devices, within a stated bound. A sharded checkpoint holds, key for key, the
+as many devices, within a stated bound. tf_keras's optimizers
+(shard="optimizer") through the same tests, parametrized over the Keras
+(``both_kerases``). A sharded checkpoint holds, key for key, the
 bytes of the unsharded run's, written by the ranks that hold them; it restores
 into an unsharded run and into a sharded one (an unsharded run's too), and
 training goes on to the same bits. Keras' own saves (.weights.h5) too.
@@ -22,6 +24,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras
 
 import mpi_strategy
 from mpi_strategy import MPIStrategyError
@@ -64,6 +67,21 @@ OPTIMIZERS = {
 }
 
 
+# tf_keras's optimizers it shards (shard="optimizer" only).
+TF_KERAS_OPTIMIZERS = {
+    "sgd_momentum": lambda: tf_keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam_global_clipnorm": lambda: tf_keras.optimizers.Adam(0.01, global_clipnorm=0.05),
+    "rmsprop_momentum": lambda: tf_keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
+    "adamw": lambda: tf_keras.optimizers.AdamW(0.01, weight_decay=0.05),
+    "adagrad": lambda: tf_keras.optimizers.Adagrad(0.05),
+    "adadelta": lambda: tf_keras.optimizers.Adadelta(1.0),
+    "adamax": lambda: tf_keras.optimizers.Adamax(0.01),
+    "lion": lambda: tf_keras.optimizers.Lion(0.003),
+}
+OPTIMIZERS_OF = {keras: OPTIMIZERS, tf_keras: TF_KERAS_OPTIMIZERS}
+# Each test so marked runs with Keras 3 and with tf_keras.
+both_kerases = pytest.mark.parametrize("k", [keras, tf_keras], ids=["keras", "tf_keras"])
+
 # At one rank the optimizer is whole: nothing to compare.
 partitioned = pytest.mark.skipif(SIZE == 1, reason="one rank holds everything")
 
@@ -79,15 +97,16 @@ def scattered():
     return mpi_strategy.MPIStrategy(devices=local_devices(), shard="gradients")
 
 
-def _model():
-    """Three layers of different sizes, with fixed weights: at 2 to 4 ranks
-    the partition cuts the middle kernel in rows (of 48 bytes: cuts every 4 rows)."""
-    model = keras.Sequential(
+def _model(k=keras):
+    """Three layers of different sizes, with fixed weights (of Keras ``k``):
+    at 2 to 4 ranks the partition cuts the middle kernel in rows (of 48 bytes:
+    cuts every 4 rows)."""
+    model = k.Sequential(
         [
-            keras.Input((FEATURES,)),
-            keras.layers.Dense(32, activation="tanh"),
-            keras.layers.Dense(12, activation="tanh"),
-            keras.layers.Dense(OUTPUTS),
+            k.Input((FEATURES,)),
+            k.layers.Dense(32, activation="tanh"),
+            k.layers.Dense(12, activation="tanh"),
+            k.layers.Dense(OUTPUTS),
         ]
     )
     model.set_weights(
@@ -99,20 +118,24 @@ def _model():
     return model
 
 
-def train(strategy, make_optimizer, steps=STEPS, start=0, restore=None, restore_first=False):
+def train(
+    strategy, make_optimizer, steps=STEPS, start=0, restore=None, restore_first=False, k=keras
+):
     """A custom loop (``apply_gradients`` in ``strategy.run``) over global
     batches ``start`` .. ``start + steps`` (of X, Y repeated), from the checkpoint ``restore`` if
-    given: the model, the optimizer and the weights after each step."""
-    return train_each(strategy, {"": make_optimizer}, steps, start, restore, restore_first)[""]
+    given: the model (of Keras ``k``), the optimizer and the weights after each step."""
+    return train_each(strategy, {"": make_optimizer}, steps, start, restore, restore_first, k)[""]
 
 
-def train_each(strategy, make_optimizers, steps=STEPS, start=0, restore=None, restore_first=False):
+def train_each(
+    strategy, make_optimizers, steps=STEPS, start=0, restore=None, restore_first=False, k=keras
+):
     """``train`` of a model per optimizer ``{name: make_optimizer}``, all in one
     step function: ``{name: (model, optimizer, weights after each step)}``."""
     trained = {}
     with strategy.scope():
         for name, make_optimizer in make_optimizers.items():
-            model, optimizer = _model(), make_optimizer()
+            model, optimizer = _model(k), make_optimizer()
             if restore_first:  # (the slots are restored as the first step makes them)
                 tf.train.Checkpoint(model=model, optimizer=optimizer).read(restore)
             optimizer.build(model.trainable_variables)
@@ -150,16 +173,22 @@ def _held_here(variable):
     return None if held.here is None else slice(held.here.start, held.here.stop)
 
 
+def _tf_variable(variable):
+    """The TensorFlow variable of an optimizer variable (tf_keras's is one)."""
+    return variable if isinstance(variable, tf.Variable) else variable.value
+
+
 def _assert_slots_equal(optimizer, want):
     """Every optimizer variable this rank holds (or rows of it) equals ``want``'s."""
     assert len(optimizer.variables) == len(want.variables) > 0
     for v, w in zip(optimizer.variables, want.variables):
-        rows = _held_here(v)
-        if rows == slice(None) or rows is None:  # (a placeholder knows the whole shape)
-            assert tuple(v.shape) == tuple(w.shape), v.path
+        rows, path = _held_here(v), getattr(v, "path", v.name)
+        if rows == slice(None) or rows is None:  # (what a placeholder stands for)
+            held = sharding.held(v)
+            assert tuple(v.shape if held is None else held.shape) == tuple(w.shape), path
         if rows is not None:
             expected = w.numpy() if rows == slice(None) else w.numpy()[rows]
-            np.testing.assert_array_equal(v.numpy(), expected, err_msg=v.path)
+            np.testing.assert_array_equal(v.numpy(), expected, err_msg=path)
 
 
 def _assert_trained_alike(trained, wanted, exact=True):
@@ -182,7 +211,7 @@ def _assert_trained_alike(trained, wanted, exact=True):
         assert placeholders, name
         cut = [v for v in optimizer.variables if len(getattr(sharding.held(v), "pieces", ())) > 1]
         assert cut, name  # (slots of rows of a variable, beside whole ones)
-        assert all(v.value.shape.num_elements() == 0 for v in placeholders)
+        assert all(_tf_variable(v).shape.num_elements() == 0 for v in placeholders)
 
 
 # Two ranks' sums are the same bits in any order; at three, MPICH's
@@ -191,12 +220,16 @@ SUMS_ALIKE = SIZE == 2
 
 
 @partitioned
-def test_custom_loop_matches_the_unsharded_run_bit_for_bit(strategy, sharded, scattered):
-    """Every optimizer of OPTIMIZERS, each on its own model, in one step
-    function: sharded state bit for bit; reduce-scattered gradients (for
-    SCATTERED_OPTIMIZERS) too at 2 ranks (the same sums), within 1e-6 otherwise."""
-    wanted = train_each(strategy, OPTIMIZERS)
-    _assert_trained_alike(train_each(sharded, OPTIMIZERS), wanted)
+@both_kerases
+def test_custom_loop_matches_the_unsharded_run_bit_for_bit(strategy, sharded, scattered, k):
+    """Every optimizer of OPTIMIZERS (TF_KERAS_OPTIMIZERS), each on its own
+    model, in one step function: sharded state bit for bit; reduce-scattered
+    gradients (for SCATTERED_OPTIMIZERS, Keras 3) too at 2 ranks (the same
+    sums), within 1e-6 otherwise."""
+    wanted = train_each(strategy, OPTIMIZERS_OF[k], k=k)
+    _assert_trained_alike(train_each(sharded, OPTIMIZERS_OF[k], k=k), wanted)
+    if k is tf_keras:
+        return
     scattered_wanted = {name: wanted[name] for name in SCATTERED_OPTIMIZERS}
     scattered_optimizers = {name: OPTIMIZERS[name] for name in SCATTERED_OPTIMIZERS}
     _assert_trained_alike(
@@ -281,42 +314,53 @@ def test_100_adam_steps_match_mirrored_strategy_within_1e_6(sharded, scattered):
 
 
 # What users combine with the optimizer in fit, at once: EMA copies (kept
-# whole), gradient accumulation (in a tf.cond; kept whole) and loss scaling.
+# whole), gradient accumulation (in a tf.cond; kept whole) and loss scaling;
+# in tf_keras, EMA copies written into the weights every 3 steps (in a tf.cond)
+# and global norm clipping (of the summed gradients).
 FIT_KWARGS = dict(use_ema=True, gradient_accumulation_steps=2)
+FIT_SETUPS = {
+    keras: (FIT_KWARGS, "mixed_float16"),
+    tf_keras: (dict(use_ema=True, ema_overwrite_frequency=3, global_clipnorm=0.05), None),
+}
 
 
-def fit(strategy, adam_kwargs, policy):
-    """Per-epoch losses, final weights and optimizer of a short ``fit``."""
-    keras.mixed_precision.set_global_policy(policy or "float32")
+def fit(strategy, adam_kwargs, policy, k=keras):
+    """Per-epoch losses, final weights and optimizer (the inner one under a
+    ``policy``) of a short ``fit`` of Keras ``k``."""
+    k.mixed_precision.set_global_policy(policy or "float32")
     try:
         with strategy.scope():
-            model = _model()
-            optimizer = keras.optimizers.Adam(0.01, **adam_kwargs)
+            model = _model(k)
+            optimizer = k.optimizers.Adam(0.01, **adam_kwargs)
             if policy:
-                optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+                optimizer = k.optimizers.LossScaleOptimizer(optimizer)
             model.compile(optimizer=optimizer, loss="mse")
         history = model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     finally:
-        keras.mixed_precision.set_global_policy("float32")
-    return np.array(history.history["loss"]), model.get_weights(), model.optimizer, model
+        k.mixed_precision.set_global_policy("float32")
+    inner = model.optimizer.inner_optimizer if policy else model.optimizer
+    return np.array(history.history["loss"]), model.get_weights(), inner, model
 
 
 @partitioned
-def test_fit_matches_the_unsharded_run_bit_for_bit(strategy, sharded, scattered):
-    adam_kwargs = dict(FIT_KWARGS)
+@both_kerases
+def test_fit_matches_the_unsharded_run_bit_for_bit(strategy, sharded, scattered, k):
+    adam_kwargs, policy = FIT_SETUPS[k]
+    adam_kwargs = dict(adam_kwargs)
     if LOCAL_DEVICES > 1:  # (synchronizes in a tf.cond: one device per rank only)
-        del adam_kwargs["gradient_accumulation_steps"]
-    want_losses, want_weights, want_optimizer, _ = fit(strategy, adam_kwargs, "mixed_float16")
-    for on, exact in ((sharded, True), (scattered, SUMS_ALIKE)):
-        losses, weights, optimizer, _ = fit(on, adam_kwargs, "mixed_float16")
+        adam_kwargs.pop("gradient_accumulation_steps", None)
+    want_losses, want_weights, want_optimizer, _ = fit(strategy, adam_kwargs, policy, k)
+    stages = ((sharded, True), (scattered, SUMS_ALIKE)) if k is keras else ((sharded, True),)
+    for on, exact in stages:
+        losses, weights, optimizer, _ = fit(on, adam_kwargs, policy, k)
         close = np.testing.assert_array_equal if exact else _within_1e_6
         close(losses, want_losses)
         for i, (w, e) in enumerate(zip(weights, want_weights, strict=True)):
             close(w, e, err_msg=f"{on}: weight {i}")
             assert_same_on_all_ranks(w, f"weight {i}")
         if exact:
-            _assert_slots_equal(optimizer.inner_optimizer, want_optimizer.inner_optimizer)
-        assert any(_held_here(v) is None for v in optimizer.inner_optimizer.variables)
+            _assert_slots_equal(optimizer, want_optimizer)
+        assert any(_held_here(v) is None for v in optimizer.variables)
 
 
 def _within_1e_6(got, want, err_msg=""):
@@ -324,22 +368,24 @@ def _within_1e_6(got, want, err_msg=""):
 
 
 @partitioned
-def test_each_rank_holds_its_share_of_the_slots(sharded):
+@both_kerases
+def test_each_rank_holds_its_share_of_the_slots(sharded, k):
     """Slot bytes held per rank: all of them once over the ranks, and no rank
     more than 1/N of them plus the largest variable's slots."""
     with sharded.scope():
-        model = keras.Sequential(
+        model = k.Sequential(
             [
-                keras.Input((64,)),
-                keras.layers.Dense(96),
-                keras.layers.Dense(40),
-                keras.layers.Dense(8),
+                k.Input((64,)),
+                k.layers.Dense(96),
+                k.layers.Dense(40),
+                k.layers.Dense(8),
             ]
         )
-        optimizer = keras.optimizers.Adam()
+        optimizer = k.optimizers.Adam()
         optimizer.build(model.trainable_variables)
     slots = [v for v in optimizer.variables if sharding.held(v) is not None]
-    held_bytes = sum(v.value.shape.num_elements() * tf.as_dtype(v.dtype).size for v in slots)
+    sizes = [_tf_variable(v).shape.num_elements() * tf.as_dtype(v.dtype).size for v in slots]
+    held_bytes = sum(sizes)
     everyone = WORLD.allgather(held_bytes)
     total = sum(int(np.prod(v.shape)) * 4 * 2 for v in model.trainable_variables)  # (Adam: 2)
     assert sum(everyone) == total, everyone
@@ -369,15 +415,16 @@ def test_the_partition_cuts_few_variables_and_balances_bytes_within_a_row():
 
 
 @partitioned
+@both_kerases
 def test_a_sharded_checkpoint_holds_the_unsharded_bytes_and_restores_either_way(
-    strategy, sharded, scattered, shared_dir
+    strategy, sharded, scattered, shared_dir, k
 ):
-    adam = OPTIMIZERS["adam"]
-    model, optimizer, _ = train(strategy, adam)
+    adam = OPTIMIZERS_OF[k]["adam" if k is keras else "adam_global_clipnorm"]
+    model, optimizer, _ = train(strategy, adam, k=k)
     plain = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
         os.path.join(shared_dir, "plain", "ckpt")
     )
-    model, optimizer, _ = train(sharded, adam)
+    model, optimizer, _ = train(sharded, adam, k=k)
     saved = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
         os.path.join(shared_dir, "sharded", "ckpt")
     )
@@ -395,14 +442,14 @@ def test_a_sharded_checkpoint_holds_the_unsharded_bytes_and_restores_either_way(
         f"ckpt-1.data-{i:05d}-of-{parts:05d}" for i in range(parts)
     ] + ["ckpt-1.index"]
     # Training on from either checkpoint, sharded or not, as without any checkpoint.
-    _, _, want = train(strategy, adam, steps=STEPS + 2)
+    _, _, want = train(strategy, adam, steps=STEPS + 2, k=k)
     # (restored before the first step makes the slots, and after)
     for restore, on, first in [
         (saved, strategy, 0),
         *itertools.product((saved, plain), (sharded,), (0, 1)),
-        (saved, scattered, 1),
+        *([(saved, scattered, 1)] if k is keras else []),
     ]:
-        _, _, got = train(on, adam, steps=2, start=STEPS, restore=restore, restore_first=first)
+        _, _, got = train(on, adam, steps=2, start=STEPS, restore=restore, restore_first=first, k=k)
         exact = on is not scattered or SUMS_ALIKE
         close = np.testing.assert_array_equal if exact else _within_1e_6
         for i, (w, e) in enumerate(zip(got[-1], want[-1], strict=True)):
@@ -464,18 +511,19 @@ def test_a_checkpoint_restores_at_another_world_size_and_in_one_process(sharded,
 
 
 @partitioned
+@both_kerases
 def test_keras_weights_files_hold_every_slot_and_load_into_a_sharded_model(
-    strategy, sharded, shared_dir
+    strategy, sharded, shared_dir, k
 ):
     path = os.path.join(shared_dir, "model.weights.h5")
-    _, optimizer, _ = train(strategy, OPTIMIZERS["adam"])
-    model, sharded_optimizer, _ = train(sharded, OPTIMIZERS["adam"])
+    _, optimizer, _ = train(strategy, OPTIMIZERS_OF[k]["adamw"], k=k)
+    model, sharded_optimizer, _ = train(sharded, OPTIMIZERS_OF[k]["adamw"], k=k)
     model.compile(optimizer=sharded_optimizer, loss="mse")
     model.save_weights(path)
     for on in (strategy, sharded):
         with on.scope():
-            loaded = _model()
-            loaded.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+            loaded = _model(k)
+            loaded.compile(optimizer=OPTIMIZERS_OF[k]["adamw"](), loss="mse")
             loaded.optimizer.build(loaded.trainable_variables)
         loaded.load_weights(path)
         _assert_slots_equal(loaded.optimizer, optimizer)
@@ -535,10 +583,21 @@ def test_elastic_training_of_a_sharded_strategy_raises(sharded, tmp_path):
 
 
 @partitioned
-def test_a_tf_keras_optimizer_raises_on_every_rank(sharded):
-    tf_keras = pytest.importorskip("tf_keras")
-    with sharded.scope():
-        model = tf_keras.Sequential([tf_keras.Input((FEATURES,)), tf_keras.layers.Dense(2)])
+def test_a_tf_keras_optimizer_it_does_not_shard_raises_on_every_rank(sharded, scattered):
+    """tf_keras's Nadam (a product over the steps outside its slots), Ftrl and
+    Adafactor; and any of its optimizers under shard="gradients"."""
+    for other in (
+        tf_keras.optimizers.Nadam,
+        tf_keras.optimizers.Ftrl,
+        tf_keras.optimizers.Adafactor,
+    ):
+        with sharded.scope():
+            model = _model(tf_keras)
+            optimizer = other()
+            with pytest.raises(MPIStrategyError, match=f"not of {other.__name__},"):
+                optimizer.build(model.trainable_variables)
+    with scattered.scope():
+        model = _model(tf_keras)
         optimizer = tf_keras.optimizers.Adam()
-        with pytest.raises(MPIStrategyError, match="tf_keras's Adam is not sharded yet"):
+        with pytest.raises(MPIStrategyError, match="with shard='optimizer' only"):
             optimizer.build(model.trainable_variables)

@@ -184,8 +184,13 @@ def _write_own_part(
             prefix=os.path.join(parts, f"rows-{rank:05d}"),
             tensor_names=keys,
             shape_and_slices=[held[k][1] for k in keys],
-            tensors=[tf.convert_to_tensor(held[k][0].value) for k in keys],
+            tensors=[tf.convert_to_tensor(_variable(held[k][0])) for k in keys],
         )
+
+
+def _variable(slot: Any) -> Any:
+    """A slot's TensorFlow variable (a tf_keras slot is one; a Keras 3 slot holds one)."""
+    return slot if isinstance(slot, tf.Variable) else slot.value
 
 
 def _merge(parts: str, prefix: str) -> None:
