@@ -67,16 +67,16 @@ def mpiexec_env(n: int) -> dict[str, str]:
     return {}
 
 
-def wait_politely_in_every_launch() -> None:
-    """From now on every launch this process makes waits politely, however few
-    its ranks (a value the user set stays): for the test suite, whose launches
-    run beside each other and beside its 1-rank tests, so that the cores are
-    oversubscribed whatever one launch's size. Measured on 2 cores, with two
-    busy processes beside it: test_keras_wrappers at 2 ranks x 2 devices took
-    305 s with polite waiting, 581 s without."""
+def polite_env() -> dict[str, str]:
+    """What makes a launch's waiting ranks give up their core whatever its
+    size (a value the user set stays): for a launch that runs beside other busy
+    processes, which oversubscribe the cores however few its own ranks.
+    Measured on 2 cores beside two busy processes: test_keras_wrappers at 2
+    ranks x 2 devices took 305 s with it, 581 s without. (Not for every
+    launch: on cores it has to itself, a launch of small collectives slows
+    down, e.g. examples/custom_loop.py at 2 ranks 22 -> 50 s in CI.)"""
     polite = {"OMPI_MCA_mpi_yield_when_idle": "1"} if is_open_mpi() else MPICH_OVERSUBSCRIBED_ENV
-    for name, value in polite.items():
-        os.environ.setdefault(name, value)
+    return {name: os.environ.get(name, value) for name, value in polite.items()}
 
 
 def open_mpi_command(mpirun: str, n: int, ulfm: bool = False) -> list[str]:

@@ -21,7 +21,6 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from mpi_testing import LOCAL_DEVICES, WORLD  # noqa: E402
-from testing.launch import wait_politely_in_every_launch  # noqa: E402
 
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0],
@@ -45,10 +44,8 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     # tests/launchers/test_under_mpiexec.py's launches start now, beside the
-    # 1-rank tests (in one process, which leave a core idle): CI's time. From
-    # then on every launch shares the cores with others, whatever its size.
+    # 1-rank tests (in one process, which leave a core idle): CI's time.
     if WORLD.Get_size() == 1 and not session.config.option.collectonly:
-        wait_politely_in_every_launch()
         for module in _modules(session):
             if hasattr(module, "start_early_launches"):
                 module.start_early_launches()

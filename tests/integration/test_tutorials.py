@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from mpi_testing import REPO, program
-from testing.launch import run_launcher, run_mpiexec
+from testing.launch import polite_env, run_launcher, run_mpiexec
 
 TUTORIALS_DIR = program("tutorials")
 RUN_ALL = os.path.join(TUTORIALS_DIR, "run_all.py")
@@ -103,6 +103,7 @@ def _run_mpi(workdir, keras, names, launches, ranks, local_devices, shard=""):
                 silence=LAUNCH_SILENCE,
                 env=dict(
                     ENV,
+                    **polite_env(),  # (beside the MirroredStrategy process)
                     TUTORIAL_STRATEGY="mpi",
                     TUTORIAL_LOCAL_DEVICES=str(local_devices),
                     TUTORIAL_SHARD=shard,
@@ -237,8 +238,7 @@ def test_tutorials_run_under_mpi_as_under_mirrored_strategy(tmp_path):
 
     # Side by side, every shape in one test: the references' one process
     # mostly leaves a core to the ranks (which then outnumber the cores: they
-    # wait politely, tests/conftest.py), and either side's last launches fill
-    # the other's tail.
+    # wait politely), and either side's last launches fill the other's tail.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         for done in [pool.submit(run_under_mpi), pool.submit(run_under_mirrored)]:
             done.result()

@@ -96,5 +96,7 @@ def test_mpich_ranks_beyond_the_cores_wait_politely(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     assert launch.mpiexec_env(cores) == {}
     assert launch.mpiexec_env(cores + 1) == launch.MPICH_OVERSUBSCRIBED_ENV
+    assert launch.polite_env() == launch.MPICH_OVERSUBSCRIBED_ENV  # (beside others: any size)
     monkeypatch.setenv("MPIR_CVAR_POLLS_BEFORE_YIELD", "1000")  # a user's own choice stays
     assert launch.mpiexec_env(cores + 1)["MPIR_CVAR_POLLS_BEFORE_YIELD"] == "1000"
+    assert launch.polite_env()["MPIR_CVAR_POLLS_BEFORE_YIELD"] == "1000"

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from mpi_testing import REPO, TESTS
-from testing.launch import DEFAULT_SILENCE, python_argv, run_mpiexec
+from testing.launch import DEFAULT_SILENCE, polite_env, python_argv, run_mpiexec
 
 ANY_WORLD_SIZE = os.path.join(TESTS, "any_world_size")
 SILENCE = DEFAULT_SILENCE
@@ -97,6 +97,8 @@ def _launch(ranks, local_devices, kernels, reports):
         ),
         silence=SILENCE,
         env={
+            # (the two launches run beside each other and the 1-rank tests)
+            **polite_env(),
             "MPI_STRATEGY_TEST_LOCAL_DEVICES": str(local_devices),
             "MPI_STRATEGY_KERNELS": kernels,
             "MPI_STRATEGY_TEST_REPORT_DIR": str(reports),
