@@ -4,9 +4,11 @@ After a process failure MPI_Finalize can hang (Open MPI 5.0: in 7 of 75 runs
 after a recovery, and whenever a rank died after the last collective, before
 the others learnt of it). So the living ranks first meet by ULFM's agreement;
 if no rank was ever lost, the program ends as any other (MPI_Finalize, its own
-exit status). Otherwise no rank calls MPI_Finalize: the other exit handlers
-run, and the process exits with the status of the ``SystemExit`` that ended
-the elastic run, if one did (``sys.exit(42)`` on a preemption notice), else 0.
+exit status), but without Open MPI's barrier in MPI_Finalize (a rank killed
+during it left the others waiting there for good). Otherwise no rank calls
+MPI_Finalize: the other exit handlers run, and the process exits with the
+status of the ``SystemExit`` that ended the elastic run, if one did
+(``sys.exit(42)`` on a preemption notice), else 0.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def end_if_elastic(this_handler: Callable[..., Any]) -> None:
         return
     all_living = ulfm.meet_the_living(state.living())
     if ulfm.is_replacement() or (all_living and not state.ranks_lost):
+        # Every rank is past its last call: Open MPI's barrier in MPI_Finalize
+        # only adds a moment in which a rank killed leaves the others waiting.
+        ulfm.finalize_without_barrier()
         return
     atexit.unregister(this_handler)
     atexit._run_exitfuncs()  # (a private function of atexit: the handlers left to run)
