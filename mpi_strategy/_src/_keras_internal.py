@@ -326,6 +326,15 @@ KERAS3_OPTIMIZER_STRATEGY = "_distribution_strategy"
 # the original do the EMA and the step count, its _update_step made a no-op.
 # (Their strategy is in the attribute of KERAS3_OPTIMIZER_STRATEGY too.)
 TF_KERAS_OPTIMIZER = "tf_keras.src.optimizers.optimizer:_BaseOptimizer"
+# tf_keras's legacy optimizers (OptimizerV2) make their slots here, at their
+# first apply_gradients: in a sharding MPIStrategy this raises instead (they
+# are not sharded: each rank would hold the whole state, silently).
+TF_KERAS_LEGACY_CREATE_WEIGHTS = OverriddenMethod(
+    "tf_keras.src.optimizers.legacy.optimizer_v2:OptimizerV2",
+    "_create_all_weights",
+    ("var_list",),
+    (2, 21),
+)
 TF_KERAS_DISTRIBUTED_OPTIMIZER = "tf_keras.src.optimizers.optimizer:Optimizer"
 TF_KERAS_SHARDED_UPDATE = (
     OverriddenMethod(

@@ -91,7 +91,8 @@ EFFECTS = (
         "`_BaseOptimizer.build`, `_update_step`, `save_own_variables`, `load_own_variables`, "
         "`Optimizer.add_variable_from_reference`, "
         "`_distributed_apply_gradients_fn` (`_keras_internal.TF_KERAS_SHARDED_UPDATE`) "
-        "the same for tf_keras's optimizers",
+        "the same for tf_keras's optimizers; its legacy `OptimizerV2._create_all_weights` "
+        "raises (legacy optimizers are not sharded)",
         "for an optimizer built in the scope of an MPIStrategy(shard=...) of several ranks",
     ),
     Effect(
@@ -321,6 +322,11 @@ _TF_KERAS_SHARDING_WRAPPERS = (
     (_keras_internal.TF_KERAS_OPTIMIZER, "_update_step", sharding.tf_keras_update_step_wrapper),
     (_keras_internal.TF_KERAS_OPTIMIZER, "save_own_variables", sharding.save_own_variables_wrapper),
     (_keras_internal.TF_KERAS_OPTIMIZER, "load_own_variables", sharding.load_own_variables_wrapper),
+    (
+        _keras_internal.TF_KERAS_LEGACY_CREATE_WEIGHTS.owner,
+        "_create_all_weights",
+        sharding.tf_keras_legacy_create_all_weights_wrapper,
+    ),
 )
 
 

@@ -514,6 +514,28 @@ def _check_tf_keras_supported(optimizer: Any, strategy: MPIStrategy) -> None:
         )
 
 
+def tf_keras_legacy_create_all_weights_wrapper(
+    original: Callable[..., Any],
+) -> Callable[..., Any]:
+    """tf_keras's legacy ``OptimizerV2._create_all_weights`` (its slots, made at
+    the first step): raises on every rank in a sharding MPIStrategy of several
+    ranks, where it would keep the whole state on every rank."""
+
+    @functools.wraps(original)
+    def _create_all_weights(self: Any, var_list: Any) -> Any:
+        strategy = _sharding(self) or _sharding_strategy(tf.distribute.get_strategy())
+        if strategy is not None:
+            raise MPIStrategyError(
+                f"mpi_strategy: MPIStrategy(shard={strategy.extended.shard!r}) does not shard "
+                f"tf_keras's legacy optimizers ({type(self).__name__}): each rank would hold "
+                f"its whole state. Use tf_keras.optimizers.{type(self).__name__} (not legacy) "
+                "with shard='optimizer', or MPIStrategy() without shard=."
+            )
+        return original(self, var_list)
+
+    return _create_all_weights
+
+
 def tf_keras_add_variable_from_reference_wrapper(
     original: Callable[..., Any],
 ) -> Callable[..., Any]:

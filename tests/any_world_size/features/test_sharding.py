@@ -583,6 +583,22 @@ def test_elastic_training_of_a_sharded_strategy_raises(sharded, tmp_path):
 
 
 @partitioned
+def test_a_tf_keras_legacy_optimizer_raises_on_every_rank(sharded):
+    """Its slots are made at its first step (in a replica context here)."""
+    with sharded.scope():
+        model = _model(tf_keras)
+        optimizer = tf_keras.optimizers.legacy.Adam()
+    variables = model.trainable_variables
+
+    @tf.function(autograph=False)  # (autograph would wrap the error)
+    def step():
+        sharded.run(lambda: optimizer.apply_gradients(zip(map(tf.ones_like, variables), variables)))
+
+    with pytest.raises(MPIStrategyError, match=r"legacy optimizers \(Adam\)"):
+        step()
+
+
+@partitioned
 def test_a_tf_keras_optimizer_it_does_not_shard_raises_on_every_rank(sharded, scattered):
     """tf_keras's Nadam (a product over the steps outside its slots), Ftrl and
     Adafactor; and any of its optimizers under shard="gradients"."""
