@@ -92,6 +92,22 @@ VARIABLE_VALUE_KEY = _trackable_base.VARIABLE_VALUE_KEY
 ShardByTaskPolicy = _sharding_policies.ShardByTaskPolicy
 
 
+def record_shape_in_saved_model(variable: Any, shape: tf.TensorShape) -> None:
+    """Makes ``tf.saved_model.save`` record ``variable`` (a ResourceVariable,
+    which may hold part of a value, or none) as a variable of ``shape``, the
+    value its checkpoint key holds, so that ``tf.saved_model.load`` makes one
+    it can restore. Wraps the instance's ``_write_object_proto`` (which
+    ResourceVariable's subclasses may override), then sets ``variable.shape``
+    in its SavedObject proto."""
+    write = variable._write_object_proto
+
+    def write_whole(proto: Any, options: Any) -> None:
+        write(proto, options)
+        proto.variable.shape.CopyFrom(tf.TensorShape(shape).as_proto())
+
+    object.__setattr__(variable, "_write_object_proto", write_whole)
+
+
 def saver_root(saver: Any) -> Any:
     """The object a ``TrackableSaver`` saves (its graph view's root)."""
     return saver._graph_view.root

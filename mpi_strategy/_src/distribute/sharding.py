@@ -12,8 +12,9 @@ share's rows only (``scatter_pieces``). The pieces:
 * ``partition``: which rank holds which rows of which variable, in equal
   bytes, the same on every rank (the variables come in the same order);
 * ``SlotPlaceholder``: what stands for a slot this rank holds none of (no
-  data; a sharded save records it and writes nothing for it, restores skip
-  it, reads raise), and ``rows_creator`` for a slot of some rows;
+  data; a sharded save records it and writes nothing for it, a SavedModel
+  records its whole shape, restores skip it, reads raise), and
+  ``rows_creator`` for a slot of some rows;
 * ``scatter_pieces``: one reduce-scatter of the gradients, each rank getting its rows;
 * ``gather_pieces``: one all-gather of every rank's rows, put back together.
 
@@ -122,6 +123,7 @@ class SlotPlaceholder(_tf_internal.ResourceVariable):
         )
         self.full_shape = tf.TensorShape(full_shape)
         self.held_by = held_by
+        _tf_internal.record_shape_in_saved_model(self, self.full_shape)
 
     def _refuse(self, *_: Any, **__: Any) -> Any:
         raise MPIStrategyError(
@@ -141,12 +143,13 @@ class SlotPlaceholder(_tf_internal.ResourceVariable):
         return tf.no_op()
 
 
-def rows_creator(piece: Piece) -> Callable[..., Any]:
+def rows_creator(piece: Piece, full_shape: tf.TensorShape) -> Callable[..., Any]:
     """A ``tf.variable_creator_scope`` creator of a slot holding ``piece``'s
-    rows of a slot: recorded in a checkpoint with no value (its rank writes
-    the rows itself, as a slice of the whole: ``slice_spec``), restored from
-    the rows of the whole value. (Set on the variable as it is made: a
-    restore that waits for it runs as soon as the optimizer tracks it.)"""
+    rows of a slot of ``full_shape``: recorded in a checkpoint with no value
+    (its rank writes the rows itself, as a slice of the whole: ``slice_spec``),
+    and in a SavedModel as a variable of ``full_shape``; restored from the rows
+    of the whole value. (Set on the variable as it is made: a restore that
+    waits for it runs as soon as the optimizer tracks it.)"""
 
     def create(next_creator: Any, **kwargs: Any) -> Any:
         variable = next_creator(**kwargs)
@@ -161,6 +164,7 @@ def rows_creator(piece: Piece) -> Callable[..., Any]:
 
         object.__setattr__(variable, "_serialize_to_tensors", serialize)
         object.__setattr__(variable, "_restore_from_tensors", restore)
+        _tf_internal.record_shape_in_saved_model(variable, full_shape)
         return variable
 
     return create

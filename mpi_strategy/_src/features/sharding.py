@@ -256,7 +256,10 @@ def _slot(plan: Plan, index: int, reference: Any, make: Callable[[Any, Any], Any
         with sharding.slots_start_alike():
             slot = make(reference, None)
     else:
-        with sharding.slots_start_alike(), tf.variable_creator_scope(sharding.rows_creator(here)):
+        with (
+            sharding.slots_start_alike(),
+            tf.variable_creator_scope(sharding.rows_creator(here, reference.shape)),
+        ):
             slot = make(plan.shadows[index], here)
     sharding.mark_slot(slot, held)
     return slot

@@ -82,6 +82,12 @@ OPTIMIZERS_OF = {keras: OPTIMIZERS, tf_keras: TF_KERAS_OPTIMIZERS}
 # Each test so marked runs with Keras 3 and with tf_keras.
 both_kerases = pytest.mark.parametrize("k", [keras, tf_keras], ids=["keras", "tf_keras"])
 
+
+def _adam_of(k):
+    """An Adam of Keras ``k`` (tf_keras's: clipped, to cover its global norm)."""
+    return OPTIMIZERS_OF[k]["adam" if k is keras else "adam_global_clipnorm"]
+
+
 # At one rank the optimizer is whole: nothing to compare.
 partitioned = pytest.mark.skipif(SIZE == 1, reason="one rank holds everything")
 
@@ -419,7 +425,7 @@ def test_the_partition_cuts_few_variables_and_balances_bytes_within_a_row():
 def test_a_sharded_checkpoint_holds_the_unsharded_bytes_and_restores_either_way(
     strategy, sharded, scattered, shared_dir, k
 ):
-    adam = OPTIMIZERS_OF[k]["adam" if k is keras else "adam_global_clipnorm"]
+    adam = _adam_of(k)
     model, optimizer, _ = train(strategy, adam, k=k)
     plain = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
         os.path.join(shared_dir, "plain", "ckpt")
@@ -428,13 +434,7 @@ def test_a_sharded_checkpoint_holds_the_unsharded_bytes_and_restores_either_way(
     saved = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
         os.path.join(shared_dir, "sharded", "ckpt")
     )
-    keys = dict(tf.train.list_variables(plain))
-    assert dict(tf.train.list_variables(saved)) == keys
-    for key in keys:
-        if key != "_CHECKPOINTABLE_OBJECT_GRAPH":
-            np.testing.assert_array_equal(
-                tf.train.load_variable(saved, key), tf.train.load_variable(plain, key), key
-            )
+    _assert_same_keys_and_bytes(saved, plain)
     # One index and the data files of every part; the parts themselves are gone.
     listed = sorted(os.listdir(os.path.join(shared_dir, "sharded")))
     parts = len(listed) - 2
@@ -442,18 +442,123 @@ def test_a_sharded_checkpoint_holds_the_unsharded_bytes_and_restores_either_way(
         f"ckpt-1.data-{i:05d}-of-{parts:05d}" for i in range(parts)
     ] + ["ckpt-1.index"]
     # Training on from either checkpoint, sharded or not, as without any checkpoint.
-    _, _, want = train(strategy, adam, steps=STEPS + 2, k=k)
     # (restored before the first step makes the slots, and after)
-    for restore, on, first in [
-        (saved, strategy, 0),
-        *itertools.product((saved, plain), (sharded,), (0, 1)),
-        *([(saved, scattered, 1)] if k is keras else []),
-    ]:
+    _assert_trains_on_alike(
+        strategy,
+        adam,
+        k,
+        [
+            (saved, strategy, 0),
+            *itertools.product((saved, plain), (sharded,), (0, 1)),
+            *([(saved, scattered, 1)] if k is keras else []),
+        ],
+        exact_on=lambda on: on is not scattered or SUMS_ALIKE,
+    )
+
+
+def _assert_same_keys_and_bytes(saved, plain):
+    """The checkpoints ``saved`` and ``plain`` hold the same keys and bytes."""
+    keys = dict(tf.train.list_variables(plain))
+    assert dict(tf.train.list_variables(saved)) == keys
+    for key in keys:
+        if key != "_CHECKPOINTABLE_OBJECT_GRAPH":
+            np.testing.assert_array_equal(
+                tf.train.load_variable(saved, key), tf.train.load_variable(plain, key), key
+            )
+
+
+def _assert_trains_on_alike(strategy, adam, k, restores, exact_on=lambda on: True):
+    """Two steps after ``STEPS`` from each of ``restores`` ``(checkpoint, on
+    strategy, restored before the first step)`` give the weights of
+    ``STEPS + 2`` steps in ``strategy`` (bit for bit where ``exact_on(on)``)."""
+    _, _, want = train(strategy, adam, steps=STEPS + 2, k=k)
+    for restore, on, first in restores:
         _, _, got = train(on, adam, steps=2, start=STEPS, restore=restore, restore_first=first, k=k)
-        exact = on is not scattered or SUMS_ALIKE
-        close = np.testing.assert_array_equal if exact else _within_1e_6
+        close = np.testing.assert_array_equal if exact_on(on) else _within_1e_6
         for i, (w, e) in enumerate(zip(got[-1], want[-1], strict=True)):
             close(w, e, err_msg=f"weight {i} from {restore} {on} {first}")
+
+
+def _saved_models(model, optimizer, path):
+    """``tf.saved_model.save`` of a ``tf.Module`` holding ``model`` and
+    ``optimizer``, and of ``model`` compiled with ``optimizer`` (which tracks
+    it) under ``path``: the prefixes of their variables."""
+    module = tf.Module()
+    module.model, module.optimizer = model, optimizer
+    model.compile(optimizer=optimizer, loss="mse")
+    prefixes = []
+    for name, obj in (("module", module), ("model", model)):
+        tf.saved_model.save(obj, os.path.join(path, name))
+        prefixes.append(os.path.join(path, name, "variables", "variables"))
+    return prefixes
+
+
+def _loaded_variable(loaded, key):
+    """The variable of checkpoint ``key`` in what ``tf.saved_model.load`` made."""
+    obj = loaded
+    for name in key.split("/.ATTRIBUTES/")[0].split("/"):
+        obj = tf.train.TrackableView(obj).children(obj)[name]
+    return obj
+
+
+@partitioned
+@both_kerases
+def test_a_saved_model_of_a_sharded_optimizer_holds_its_slots_and_restores(
+    strategy, sharded, shared_dir, k
+):
+    """``tf.saved_model.save`` of objects tracking a sharded optimizer writes
+    its variables as a sharded checkpoint is written, in parts: the bytes of
+    the unsharded run's SavedModel, key for key; ``tf.saved_model.load`` makes
+    whole slots (of the unsharded values); training goes on from it, sharded
+    or not, to the same bits."""
+    adam = _adam_of(k)
+    plain = _saved_models(*train(strategy, adam, k=k)[:2], os.path.join(shared_dir, "plain"))
+    model, optimizer, _ = train(sharded, adam, k=k)
+    saved = _saved_models(model, optimizer, os.path.join(shared_dir, "sharded"))
+    for got, want in zip(saved, plain, strict=True):
+        _assert_same_keys_and_bytes(got, want)
+    loaded = tf.saved_model.load(os.path.dirname(os.path.dirname(saved[0])))
+    slots = [key for key, _ in tf.train.list_variables(plain[0]) if "/_variables/" in key]
+    assert len(slots) >= 2 * len(model.trainable_variables), slots  # (Adam: 2 each)
+    for key in slots:
+        value = _loaded_variable(loaded, key).numpy()
+        np.testing.assert_array_equal(value, tf.train.load_variable(plain[0], key), key)
+    _assert_trains_on_alike(strategy, adam, k, [(saved[0], strategy, 0), (saved[0], sharded, 1)])
+
+
+@partitioned
+@both_kerases
+def test_a_saved_model_for_serving_is_written_as_ever(sharded, shared_dir, k):
+    """A model trained sharded and saved without its optimizer (not
+    compiled: not tracked; Keras 3's ``export``) serves its outputs."""
+    model, _, _ = train(sharded, _adam_of(k), steps=1, k=k)
+    path = os.path.join(shared_dir, "serving")
+    if k is keras:
+        model.export(path)
+        loaded = tf.saved_model.load(path)  # (kept: its function needs its variables)
+        served = loaded.serve(X[:BATCH])
+    else:
+        tf.saved_model.save(model, path)
+        loaded = tf.saved_model.load(path)
+        (served,) = loaded.signatures["serving_default"](tf.constant(X[:BATCH])).values()
+    np.testing.assert_allclose(served, model(X[:BATCH]), atol=1e-6)
+    keys = [key for key, _ in tf.train.list_variables(os.path.join(path, "variables", "variables"))]
+    assert not [key for key in keys if "optimizer" in key], keys
+
+
+@partitioned
+@both_kerases
+def test_a_checkpoint_written_inside_tf_function_raises_on_every_rank(sharded, shared_dir, k):
+    """Inside ``tf.function`` no rank could write the slots it holds: a
+    ``tf.train.Checkpoint`` write there raises as it is traced, on every
+    rank, and writes nothing (it left out the other ranks' slots)."""
+    model, optimizer, _ = train(sharded, _adam_of(k), steps=1, k=k)
+    write = tf.function(
+        tf.train.Checkpoint(model=model, optimizer=optimizer).write, autograph=False
+    )
+    with pytest.raises(MPIStrategyError, match=r"inside a tf\.function.*outside tf\.function"):
+        write(os.path.join(shared_dir, "in_function", "ckpt"))
+    assert not os.path.exists(os.path.join(shared_dir, "in_function"))
 
 
 def _slot_key(i):

@@ -68,10 +68,10 @@ def save_in_parts_wrapper(save: Callable[..., Any]) -> Callable[..., Any]:
         session: Any = None,
         options: Any = None,
     ) -> Any:
-        ordered = _sharded_ordered_comm(self, file_prefix)
-        if ordered is None:
+        found = _sharded_ordered_comm(self, file_prefix)
+        if found is None:
             return save(self, file_prefix, checkpoint_number, session, options)
-        prefix = os.fspath(file_prefix)
+        ordered, prefix = found
         if checkpoint_number:
             prefix = f"{prefix}-{int(checkpoint_number)}"
         _write_parts(save, self, ordered, prefix, options)
@@ -80,17 +80,37 @@ def save_in_parts_wrapper(save: Callable[..., Any]) -> Callable[..., Any]:
     return save_in_parts
 
 
-def _sharded_ordered_comm(saver: Any, file_prefix: Any) -> OrderedComm | None:
+def _sharded_ordered_comm(saver: Any, file_prefix: Any) -> tuple[OrderedComm, str] | None:
     """The ordered communicator of the sharded MPIStrategy whose slots ``saver``
-    saves to a real path, eagerly, with every rank (else None: saved as ever)."""
+    saves, with every rank, and the real path it saves to (else None: saved as
+    ever). A save into an in-memory copy of a write point (a rank that does not
+    write ``tf.saved_model.save``'s files) writes its part at the real path.
+    Raises inside ``tf.function``, where no rank could write its own part."""
+    if not sharding.any_slots_marked():
+        return None
+    if not tf.executing_eagerly():
+        if _ordered_comm_of_slots(saver) is not None:
+            raise MPIStrategyError(
+                f"mpi_strategy: {_WHAT} is being saved inside a tf.function (a "
+                "tf.train.Checkpoint write there), where no rank can write the slots it "
+                "holds. Call checkpoint.write or checkpoint.save on every rank outside "
+                "tf.function, or save the model without its optimizer."
+            )
+        return None
     if (
-        not sharding.any_slots_marked()
-        or not isinstance(file_prefix, (str, os.PathLike))
-        or os.fspath(file_prefix).startswith("ram://")
-        or not tf.executing_eagerly()
+        not isinstance(file_prefix, (str, os.PathLike))
         or write_point.role() == write_point.NOT_OURS
     ):
         return None
+    prefix = os.fspath(file_prefix)
+    if prefix.startswith("ram://"):
+        prefix = write_point.real_path(prefix) or ""
+    ordered = _ordered_comm_of_slots(saver) if prefix else None
+    return None if ordered is None else (ordered, prefix)
+
+
+def _ordered_comm_of_slots(saver: Any) -> OrderedComm | None:
+    """The ordered communicator of the first sharded slot ``saver`` saves, or None."""
     for obj in tf.train.TrackableView(_tf_internal.saver_root(saver)).descendants():
         held = sharding.held(obj)
         if held is not None:

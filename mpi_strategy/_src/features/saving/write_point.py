@@ -115,6 +115,8 @@ class SavingState:
 
     # names of in-memory copies; next() is atomic under the GIL
     counter: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    # in-memory copy being written -> the real path it stands for
+    copies: dict[str, str] = field(default_factory=dict)
     # which ranks share a filesystem, per ordered communicator
     topologies: weakref.WeakKeyDictionary[OrderedComm, filesystems.Topology] = field(
         default_factory=weakref.WeakKeyDictionary
@@ -448,11 +450,25 @@ def _record(fd: int, job: str, saved: dict[str, int], path: str) -> None:
 def memory_path(path: str | os.PathLike[str]) -> str:
     """A fresh in-memory path (TensorFlow's ``ram://``) named like ``path``."""
     name = os.path.basename(os.path.normpath(path)) or "saved"
-    return f"ram://mpi_strategy/{os.getpid()}/{next(_state().counter)}/{name}"
+    copy = f"ram://mpi_strategy/{os.getpid()}/{next(_state().counter)}/{name}"
+    _state().copies[copy] = os.fspath(path)
+    return copy
+
+
+def real_path(path: str) -> str | None:
+    """The real path that ``path``, in an in-memory copy being written
+    (``memory_path``), stands for; None for any other path. (A save nested in
+    such a copy, e.g. the variables of ``tf.saved_model.save``, may need to
+    write its part where the ranks that write put the real files.)"""
+    for copy, real in list(_state().copies.items()):
+        if path == copy or path.startswith(copy + "/"):
+            return real + path[len(copy) :]
+    return None
 
 
 def remove_memory_path(path: str) -> None:
     """Frees what was written under ``memory_path``'s result ``path``."""
+    _state().copies.pop(path, None)
     root = path.rsplit("/", 1)[0]
     try:
         if tf.io.gfile.exists(root):
