@@ -97,8 +97,8 @@ EFFECTS = (
     ),
     Effect(
         "`TrackableSaver.save` (a write point, above)",
-        "a checkpoint of a sharded optimizer is written in parts by the ranks that hold "
-        "them, merged into one",
+        "a checkpoint of a sharded optimizer (and a SavedModel's variables) is written in "
+        "parts by the ranks that hold them, merged into one; inside `tf.function` it raises",
         "for a checkpoint holding slots of a sharded optimizer",
     ),
     Effect(

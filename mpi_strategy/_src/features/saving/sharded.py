@@ -20,7 +20,11 @@ at another world size):
 4. The ranks meet again: the checkpoint is complete when the call returns.
 
 The parts must be on one filesystem every rank sees: where ranks write to
-node-local disks, every rank raises.
+node-local disks, every rank raises. ``tf.saved_model.save`` writes its
+variables with a ``TrackableSaver`` too: a rank that writes the SavedModel
+into an in-memory copy writes its part at the real path
+(``write_point.real_path``). Inside ``tf.function`` no rank could write its
+part: every rank raises as it traces the save.
 """
 
 from __future__ import annotations
