@@ -9,7 +9,8 @@ goes on from the last epoch every survivor finished, with the same global
 batches. Rank 0 of the survivors prints, as its last line, one JSON object:
 ranks at start and at end, epochs and steps done, final loss.
 ``--kill R@B`` (repeatable) makes rank R of the launch kill itself with
-SIGKILL after global batch B of the run, to try it. With ``--replace-lost``,
+SIGKILL after global batch B of the run, to try it (``--pause-ms`` slows each
+batch, to kill one from outside). With ``--replace-lost``,
 new processes are started for lost ranks and join at the end of an epoch.
 """
 
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import signal
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -46,6 +48,12 @@ def main():
     parser.add_argument("--examples", type=int, default=960)
     parser.add_argument("--global-batch", type=int, default=96)
     parser.add_argument("--kill", action="append", default=[], metavar="RANK@BATCH")
+    parser.add_argument(
+        "--pause-ms",
+        type=float,
+        default=0,
+        help="sleep after each batch (a slower model: time to kill a rank from outside)",
+    )
     parser.add_argument(
         "--replace-lost",
         action="store_true",
@@ -98,6 +106,9 @@ def main():
             callbacks=[
                 mpi_strategy.elastic.KerasCallback(state),
                 KillAt(my_kills, steps_per_epoch),
+                tf.keras.callbacks.LambdaCallback(
+                    on_train_batch_end=lambda batch, logs: time.sleep(args.pause_ms / 1000)
+                ),
             ],
         ).history
 
