@@ -315,6 +315,15 @@ KERAS3_SHARDED_UPDATE = (
         KERAS3_TF_OPTIMIZER, "_all_reduce_sum_gradients", ("grads_and_vars",), (3, 15)
     ),
 )
+# Keras' legacy .h5 save writes an optimizer's variables through this
+# module-level function of each Keras, reading each one whole (a sharded
+# optimizer's are gathered for it); its load sets them with the public
+# set_weights (wrapped too: each rank keeps what it holds).
+H5_OPTIMIZER_WEIGHTS = {
+    "keras": "keras.src.legacy.saving.legacy_h5_format",
+    "tf_keras": "tf_keras.src.saving.legacy.hdf5_format",
+}
+H5_SAVE_OPTIMIZER_WEIGHTS = "save_optimizer_weights_to_hdf5_group"
 # ... and reads these attributes of an optimizer: its strategy (TFOptimizer)
 # and the variables it was built with (set at the end of BaseOptimizer.build,
 # before a subclass makes its slots).

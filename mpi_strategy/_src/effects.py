@@ -83,12 +83,15 @@ EFFECTS = (
     ),
     Effect(
         "Keras 3 `TFOptimizer.add_variable_from_reference`, `_backend_update_step`; "
-        "`BaseOptimizer.save_own_variables`, `load_own_variables` "
-        "(`_keras_internal.KERAS3_SHARDED_UPDATE`)",
+        "`BaseOptimizer.save_own_variables`, `load_own_variables`, `set_weights` "
+        "(`_keras_internal.KERAS3_SHARDED_UPDATE`); both Kerases' legacy `.h5` "
+        "`save_optimizer_weights_to_hdf5_group` (`_keras_internal.H5_OPTIMIZER_WEIGHTS`)",
         "each rank keeps the slots of its share of the variables (and, sharding gradients, "
         "receives the sum of their gradients only), updates those and "
-        "gathers the others; Keras saves stream each slot from its owner; tf_keras's "
+        "gathers the others; Keras saves (`.h5` too) stream each slot from its owner, "
+        "loads set what each rank holds; tf_keras's "
         "`_BaseOptimizer.build`, `_update_step`, `save_own_variables`, `load_own_variables`, "
+        "`set_weights`, "
         "`Optimizer.add_variable_from_reference`, "
         "`_distributed_apply_gradients_fn` (`_keras_internal.TF_KERAS_SHARDED_UPDATE`) "
         "the same for tf_keras's optimizers; its legacy `OptimizerV2._create_all_weights` "
@@ -124,7 +127,8 @@ EFFECTS = (
     Effect(
         "one `atexit` handler",
         "the ranks meet at the end (a rank saving alone finishes); timeline files "
-        "are closed; elastic jobs under ULFM end without MPI_Finalize",
+        "are closed; elastic jobs under ULFM end without MPI_Finalize after a lost rank, "
+        "and skip Open MPI 5's barrier in it once every rank is done",
         "once an MPIStrategy spans all ranks; the timeline when on; elastic.run",
     ),
     Effect(
@@ -304,6 +308,12 @@ _SHARDING_WRAPPERS = (
         "load_own_variables",
         sharding.load_own_variables_wrapper,
     ),
+    (_keras_internal.KERAS3_BASE_OPTIMIZER, "set_weights", sharding.set_weights_wrapper),
+    (
+        _keras_internal.H5_OPTIMIZER_WEIGHTS["keras"],
+        _keras_internal.H5_SAVE_OPTIMIZER_WEIGHTS,
+        sharding.save_h5_optimizer_weights_wrapper,
+    ),
 )
 
 
@@ -322,6 +332,12 @@ _TF_KERAS_SHARDING_WRAPPERS = (
     (_keras_internal.TF_KERAS_OPTIMIZER, "_update_step", sharding.tf_keras_update_step_wrapper),
     (_keras_internal.TF_KERAS_OPTIMIZER, "save_own_variables", sharding.save_own_variables_wrapper),
     (_keras_internal.TF_KERAS_OPTIMIZER, "load_own_variables", sharding.load_own_variables_wrapper),
+    (_keras_internal.TF_KERAS_OPTIMIZER, "set_weights", sharding.set_weights_wrapper),
+    (
+        _keras_internal.H5_OPTIMIZER_WEIGHTS["tf_keras"],
+        _keras_internal.H5_SAVE_OPTIMIZER_WEIGHTS,
+        sharding.save_h5_optimizer_weights_wrapper,
+    ),
     (
         _keras_internal.TF_KERAS_LEGACY_CREATE_WEIGHTS.owner,
         "_create_all_weights",

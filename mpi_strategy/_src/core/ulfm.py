@@ -97,21 +97,20 @@ def meet_the_living(comm: MPI.Intracomm) -> bool:
 _FINALIZE_WITHOUT_BARRIER = "ompi_async_mpi_finalize"
 
 
-def finalize_without_barrier() -> bool:
-    """Makes this process's MPI_Finalize skip Open MPI's barrier of all ranks;
-    returns whether it could (Open MPI 5 only). For the end of an elastic run,
+def finalize_without_barrier() -> None:
+    """Makes this process's MPI_Finalize skip Open MPI's barrier of all ranks
+    (Open MPI 5 only; elsewhere nothing). For the end of an elastic run,
     once ULFM's agreement showed every rank done: a rank killed while the others
     wait in that barrier can leave them waiting forever (Open MPI 5.0.x under
     ULFM, 4 of 20 launches when two of four ranks die within 10 ms of it)."""
     if not MPI.Get_library_version().startswith("Open MPI v5."):
-        return False
+        return
     library = _loaded_library("libmpi.so")
     try:
         flag = ctypes.c_bool.in_dll(ctypes.CDLL(library), _FINALIZE_WITHOUT_BARRIER)
     except (OSError, TypeError, ValueError):
-        return False
+        return
     flag.value = True
-    return True
 
 
 def _loaded_library(prefix: str) -> str | None:

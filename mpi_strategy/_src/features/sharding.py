@@ -466,14 +466,89 @@ def load_own_variables_wrapper(original: Callable[..., Any]) -> Callable[..., An
         if plan_of(self) is None or len(store.keys()) != len(self.variables):
             return original(self, store)  # (Keras warns about a mismatch)
         for i, variable in enumerate(self.variables):
-            held = sharding.held(variable)
-            if held is None or held.whole_here:
-                variable.assign(store[str(i)])
-            elif held.here is not None:
-                variable.assign(store[str(i)][held.here.start : held.here.stop])
+            _set_held(variable, store[str(i)])
         return None
 
     return load_own_variables
+
+
+def _set_held(variable: Any, whole: Any) -> None:
+    """Sets what this rank holds of an optimizer variable from its ``whole`` value."""
+    held = sharding.held(variable)
+    if held is None or held.whole_here:
+        variable.assign(whole)
+    elif held.here is not None:
+        variable.assign(whole[held.here.start : held.here.stop])
+
+
+def set_weights_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``set_weights`` of Keras 3's and tf_keras's optimizers (which Keras' legacy
+    ``.h5`` load calls with the whole saved values): a sharded optimizer sets
+    the slots and rows this rank holds, on every rank, with no communication."""
+
+    @functools.wraps(original)
+    def set_weights(self: Any, weights: Sequence[Any]) -> Any:
+        if plan_of(self) is None or len(weights) != len(self.variables):
+            return original(self, weights)
+        for variable, weight in zip(self.variables, weights):
+            held = sharding.held(variable)
+            shape = tuple(variable.shape if held is None else held.shape)
+            if tuple(np.shape(weight)) != shape:
+                raise ValueError(  # (what Keras raises; its .h5 load warns and goes on)
+                    f"Optimizer variable {_name(variable)} has shape {shape} not compatible "
+                    f"with provided weight shape {tuple(np.shape(weight))}."
+                )
+            _set_held(variable, np.asarray(weight))
+        return None
+
+    return set_weights
+
+
+def save_h5_optimizer_weights_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Keras' legacy ``.h5`` save of an optimizer's variables (Keras 3's and
+    tf_keras's ``save_optimizer_weights_to_hdf5_group``): a sharded optimizer's
+    are written whole, each put together on every rank from the ranks that hold it."""
+
+    @functools.wraps(original)
+    def save_optimizer_weights(group: Any, optimizer: Any) -> Any:
+        if plan_of(optimizer) is None:
+            return original(group, optimizer)
+        if write_point.alone():
+            raise MPIStrategyError(_SAVED_ALONE)
+        return original(group, _WholeWeights(optimizer))
+
+    return save_optimizer_weights
+
+
+class _WholeWeights:
+    """What Keras' ``.h5`` save reads of an optimizer that is not one of its
+    own (``weights``): each variable's whole value, under the optimizer's names."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.weights = [_WholeWeight(_name(v), _whole(v)) for v in optimizer.variables]
+
+
+@dataclass(frozen=True)
+class _WholeWeight:
+    """A variable's whole value, named as Keras 3 (``path``) and tf_keras (``name``) name it."""
+
+    path: str
+    value: np.ndarray
+
+    @property
+    def name(self) -> str:
+        return self.path
+
+    def numpy(self) -> np.ndarray:  # (tf_keras's batch_get_value)
+        return self.value
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:  # (Keras 3's)
+        return self.value if dtype is None else self.value.astype(dtype)
+
+
+def _name(variable: Any) -> str:
+    """The name Keras' ``.h5`` save writes an optimizer variable under."""
+    return str(getattr(variable, "path", variable.name))
 
 
 def tf_keras_build_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
