@@ -59,12 +59,29 @@ MPICH_OVERSUBSCRIBED_ENV = {
 def mpiexec_env(n: int) -> dict[str, str]:
     """What ``mpiexec_command(n)`` needs in the environment: Open MPI refuses
     root without OPEN_MPI_ENV; MPICH with more ranks than this machine's
-    cores waits politely (MPICH_OVERSUBSCRIBED_ENV, unless already set)."""
+    cores, counting those of the launches this process runs meanwhile (the
+    test session's background launches), waits politely
+    (MPICH_OVERSUBSCRIBED_ENV, unless already set)."""
     if is_open_mpi():
         return dict(OPEN_MPI_ENV)
-    if n > len(os.sched_getaffinity(0)):
+    if n + _LAUNCHED.ranks > len(os.sched_getaffinity(0)):
         return {k: os.environ.get(k, v) for k, v in MPICH_OVERSUBSCRIBED_ENV.items()}
     return {}
+
+
+class _Launched:
+    """The ranks of this process's launches that are running now."""
+
+    def __init__(self) -> None:
+        self.ranks = 0
+        self._lock = threading.Lock()
+
+    def add(self, ranks: int) -> None:
+        with self._lock:
+            self.ranks += ranks
+
+
+_LAUNCHED = _Launched()
 
 
 def polite_env() -> dict[str, str]:
@@ -104,15 +121,14 @@ def run_mpiexec(
 ) -> tuple[int, str]:
     """Runs ``argv`` on ``n`` ranks; returns (returncode, combined output).
     ``silence``, ``total`` and ``cancel``: as for ``run_launcher``."""
-    return run_launcher(
-        mpiexec_command(n) + list(argv),
-        silence,
-        dict(mpiexec_env(n), **(env or {})),
-        cwd,
-        each_line,
-        total,
-        cancel,
-    )
+    launch_env = dict(mpiexec_env(n), **(env or {}))
+    _LAUNCHED.add(n)
+    try:
+        return run_launcher(
+            mpiexec_command(n) + list(argv), silence, launch_env, cwd, each_line, total, cancel
+        )
+    finally:
+        _LAUNCHED.add(-n)
 
 
 def run_launcher(

@@ -93,9 +93,13 @@ def test_an_overall_limit_stops_even_a_command_that_keeps_printing():
 def test_mpich_ranks_beyond_the_cores_wait_politely(monkeypatch):
     # (docs/launching.md, "More ranks than cores"; Open MPI yields by itself)
     monkeypatch.setattr(launch, "is_open_mpi", lambda: False)
+    monkeypatch.setattr(launch, "_LAUNCHED", launch._Launched())  # (none running)
     cores = len(os.sched_getaffinity(0))
     assert launch.mpiexec_env(cores) == {}
     assert launch.mpiexec_env(cores + 1) == launch.MPICH_OVERSUBSCRIBED_ENV
+    launch._LAUNCHED.add(1)  # beside a running launch of this process
+    assert launch.mpiexec_env(cores) == launch.MPICH_OVERSUBSCRIBED_ENV
+    launch._LAUNCHED.add(-1)
     assert launch.polite_env() == launch.MPICH_OVERSUBSCRIBED_ENV  # (beside others: any size)
     monkeypatch.setenv("MPIR_CVAR_POLLS_BEFORE_YIELD", "1000")  # a user's own choice stays
     assert launch.mpiexec_env(cores + 1)["MPIR_CVAR_POLLS_BEFORE_YIELD"] == "1000"
