@@ -21,6 +21,7 @@ import concurrent.futures
 import glob
 import json
 import os
+import re
 import sys
 import time
 
@@ -249,7 +250,10 @@ def test_tutorials_run_under_mpi_as_under_mirrored_strategy(tmp_path):
         for name in programs:
             key = (shape, name)
             reference = mirrored.get((OTHER_ARGUMENT.get(shape, ("", shape))[1], name))
-            row, found = _compare(name, reference, mpi.get(key, {}), ranks, stuck.get(key))
+            reports = mpi.get(key, {})
+            if shape in OTHER_ARGUMENT:
+                reference, reports = _data_files_counted_once(reference, reports)
+            row, found = _compare(name, reference, reports, ranks, stuck.get(key))
             table.extend(row)
             problems.extend(f"[{shape}] {problem}" for problem in found)
     problems += [
@@ -263,6 +267,31 @@ def test_tutorials_run_under_mpi_as_under_mirrored_strategy(tmp_path):
     table.append(f"wall time of the whole test: {wall:.1f} s")
     print("\n".join(table))
     assert not problems, "\n".join(table) + "\n\n" + "\n\n".join(problems)
+
+
+# A sharded optimizer's checkpoint holds a data file per rank that wrote a
+# part (docs/sharding.md), where MirroredStrategy's holds one: file names
+# listed in a report are compared without that count.
+_DATA_FILE = re.compile(r"(\.data)-\d{5}-of-\d{5}$")
+
+
+def _data_files_counted_once(*reports):
+    """The reports with each checkpoint data file name a list holds cut to
+    ``<prefix>.data``, each such name listed once."""
+
+    def cut(value):
+        if isinstance(value, dict):
+            return {k: cut(v) for k, v in value.items()}
+        if isinstance(value, list):
+            names = [_DATA_FILE.sub(r"\1", v) if isinstance(v, str) else cut(v) for v in value]
+            return [
+                v
+                for i, v in enumerate(names)
+                if not _DATA_FILE.search(str(value[i])) or v not in names[:i]
+            ]
+        return value
+
+    return [cut(r) for r in reports]
 
 
 def _compare(name, reference, reports, ranks, stuck):

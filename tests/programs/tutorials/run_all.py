@@ -72,11 +72,14 @@ AT_OTHER_SHAPES = (
 # The programs that also run under MPIStrategy(shard="gradients") at 2 ranks
 # (ZeRO stage 2, whose sums there are the unsharded ones): Keras 3 fit with
 # Adam and RMSprop, callbacks, ModelCheckpoint, and saves loaded back in and
-# out of a strategy (about 20 s of CI time).
+# out of a strategy; tf_keras's tf.saved_model.save and load, .keras saves and
+# tf.train.CheckpointManager (about 30 s of CI time).
 SHARDED = (
     "keras_tutorial",
     "keras_guide_distributed_training",
     "keras_guide_callbacks",
+    "save_and_load_tutorial",
+    "checkpoint_guide",
 )
 
 # Each program's deviations from its source beyond the strategy line (its
