@@ -350,6 +350,12 @@ TF_KERAS_SHARDED_UPDATE = (
         (2, 21),
     ),
     OverriddenMethod(TF_KERAS_OPTIMIZER, "_update_step", ("gradient", "variable"), (2, 21)),
+    # shard="gradients": the sum over the replicas (a reduce-scatter instead),
+    # and the clipping of the sums (done in the step, on the shares).
+    OverriddenMethod(
+        TF_KERAS_DISTRIBUTED_OPTIMIZER, "aggregate_gradients", ("grads_and_vars",), (2, 21)
+    ),
+    OverriddenMethod(TF_KERAS_OPTIMIZER, "_clip_gradients", ("grads",), (2, 21)),
 )
 # ... and, as Keras 3's, enters a shadow in this dict (variable key -> position).
 TF_KERAS_OPTIMIZER_INDICES = "_index_dict"

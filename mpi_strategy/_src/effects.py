@@ -91,8 +91,10 @@ EFFECTS = (
         "`_BaseOptimizer.build`, `_update_step`, `save_own_variables`, `load_own_variables`, "
         "`Optimizer.add_variable_from_reference`, "
         "`_distributed_apply_gradients_fn` (`_keras_internal.TF_KERAS_SHARDED_UPDATE`) "
-        "the same for tf_keras's optimizers; its legacy `OptimizerV2._create_all_weights` "
-        "raises (legacy optimizers are not sharded)",
+        "the same for tf_keras's optimizers, and (sharding gradients) its "
+        "`Optimizer.aggregate_gradients` (a reduce-scatter) and `_BaseOptimizer._clip_gradients` "
+        "(the shares clipped in the step, by the norms over all ranks); its legacy "
+        "`OptimizerV2._create_all_weights` raises (legacy optimizers are not sharded)",
         "for an optimizer built in the scope of an MPIStrategy(shard=...) of several ranks",
     ),
     Effect(
@@ -320,6 +322,16 @@ _TF_KERAS_SHARDING_WRAPPERS = (
         sharding.tf_keras_apply_gradients_wrapper,
     ),
     (_keras_internal.TF_KERAS_OPTIMIZER, "_update_step", sharding.tf_keras_update_step_wrapper),
+    (
+        _keras_internal.TF_KERAS_DISTRIBUTED_OPTIMIZER,
+        "aggregate_gradients",
+        sharding.tf_keras_aggregate_gradients_wrapper,
+    ),
+    (
+        _keras_internal.TF_KERAS_OPTIMIZER,
+        "_clip_gradients",
+        sharding.tf_keras_clip_gradients_wrapper,
+    ),
     (_keras_internal.TF_KERAS_OPTIMIZER, "save_own_variables", sharding.save_own_variables_wrapper),
     (_keras_internal.TF_KERAS_OPTIMIZER, "load_own_variables", sharding.load_own_variables_wrapper),
     (

@@ -37,6 +37,7 @@ import tensorflow as tf
 from mpi_strategy._src import _tf_internal
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.process import PROCESS
+from mpi_strategy._src.distribute.engines import unknown_to_grappler
 from mpi_strategy._src.distribute.fusion import wire_dtype
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 
@@ -288,7 +289,7 @@ def scatter_pieces(
         for (i, p), part in zip(own, tf.split(summed[0, : sum(sizes)], sizes) if own else []):
             whole = p.start == 0 and p.stop == rows_of(values[i].shape)
             shape = values[i].shape if whole else [p.stop - p.start, *values[i].shape[1:]]
-            mine[i] = tf.cast(tf.reshape(part, shape), values[i].dtype)
+            mine[i] = unknown_to_grappler(tf.cast(tf.reshape(part, shape), values[i].dtype))
     return mine
 
 
