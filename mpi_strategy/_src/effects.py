@@ -82,6 +82,14 @@ EFFECTS = (
         "in a replica context of an MPIStrategy of several replicas",
     ),
     Effect(
+        "tf_keras `loss_scale_optimizer.strategy_supports_loss_scaling`, `_is_all_finite` "
+        "(`_keras_internal.TF_KERAS_LOSS_SCALING_CHECKS`)",
+        "tf_keras's mixed precision and LossScaleOptimizer accept MPIStrategy; under "
+        'shard="gradients" a step whose summed gradients overflow in any rank\'s share '
+        "is skipped on every rank",
+        'in the scope of an MPIStrategy (the check: of shard="gradients", several replicas)',
+    ),
+    Effect(
         "Keras 3 `TFOptimizer.add_variable_from_reference`, `_backend_update_step`; "
         "`BaseOptimizer.save_own_variables`, `load_own_variables` "
         "(`_keras_internal.KERAS3_SHARDED_UPDATE`)",
@@ -264,6 +272,15 @@ def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
         if package == "tf_keras":
             for owner, name, wrapper in _TF_KERAS_SHARDING_WRAPPERS:
                 _replace(owner, name, wrapper)
+            for name, wrapper in zip(
+                _keras_internal.TF_KERAS_LOSS_SCALING_CHECKS,
+                (
+                    keras_wrappers.tf_keras_supports_loss_scaling_wrapper,
+                    keras_wrappers.tf_keras_is_all_finite_wrapper,
+                ),
+                strict=True,
+            ):
+                _replace(_keras_internal.TF_KERAS_LOSS_SCALING, name, wrapper)
         if package == "tf_keras":
             for name in _keras_internal.TF_KERAS_FILE_UTIL_NAMES:
                 _replace(

@@ -81,6 +81,10 @@ TF_KERAS_OPTIMIZERS = {
     "adadelta": lambda: tf_keras.optimizers.Adadelta(1.0),
     "adamax": lambda: tf_keras.optimizers.Adamax(0.01),
     "lion": lambda: tf_keras.optimizers.Lion(0.003),
+    # (its loss scaled; one replica's gradient infinite at step 1: _overflow_at_step_1)
+    "adam_loss_scale": lambda: tf_keras.mixed_precision.LossScaleOptimizer(
+        tf_keras.optimizers.Adam(0.01)
+    ),
 }
 OPTIMIZERS_OF = {keras: OPTIMIZERS, tf_keras: TF_KERAS_OPTIMIZERS}
 # Each test so marked runs with Keras 3 and with tf_keras.
@@ -160,9 +164,14 @@ def train_each(
     def step(x, y):
         def replica(x, y):
             for model, optimizer, _ in trained.values():
+                scaled = isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer)
                 with tf.GradientTape() as tape:
                     loss = tf.reduce_sum(tf.square(model(x) - y)) / BATCH
+                    if scaled:
+                        loss = optimizer.get_scaled_loss(loss)
                 grads = tape.gradient(loss, model.trainable_variables)
+                if scaled:
+                    grads = _overflow_at_step_1(optimizer, optimizer.get_unscaled_gradients(grads))
                 optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
         strategy.run(replica, (x, y))
@@ -172,6 +181,16 @@ def train_each(
         for model, _, history in trained.values():
             history.append(model.get_weights())
     return trained
+
+
+def _overflow_at_step_1(optimizer, grads):
+    """``grads`` with, at step 1, the first replica's gradient of the last
+    variable (held by the last rank alone) infinite: every rank skips the
+    step (under shard="gradients" the last rank alone sees it in its share)."""
+    replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+    overflow = tf.logical_and(tf.equal(optimizer.iterations, 1), tf.equal(replica, 0))
+    infinite = tf.fill(tf.shape(grads[-1]), np.float32(np.inf))
+    return [*grads[:-1], tf.where(overflow, infinite, grads[-1])]
 
 
 def _held_here(variable):
@@ -238,9 +257,13 @@ def test_custom_loop_matches_the_unsharded_run_bit_for_bit(strategy, sharded, sc
     clipping norms summed over the ranks' shares), within 1e-6 otherwise."""
     wanted = train_each(strategy, OPTIMIZERS_OF[k], k=k)
     _assert_trained_alike(train_each(sharded, OPTIMIZERS_OF[k], k=k), wanted)
-    scattered_optimizers = {name: OPTIMIZERS_OF[k][name] for name in SCATTERED_OPTIMIZERS}
-    got = train_each(scattered, scattered_optimizers, k=k)
-    for name in SCATTERED_OPTIMIZERS:
+    names = SCATTERED_OPTIMIZERS + (("adam_loss_scale",) if k is tf_keras else ())
+    got = train_each(scattered, {name: OPTIMIZERS_OF[k][name] for name in names}, k=k)
+    if k is tf_keras:  # (step 1 skipped, on every rank)
+        for _, _, weights in (wanted["adam_loss_scale"], got["adam_loss_scale"]):
+            for before, after in zip(weights[0], weights[1], strict=True):
+                np.testing.assert_array_equal(after, before)
+    for name in names:
         exact = SUMS_ALIKE and not _norm_of_pieces(k, name)
         _assert_trained_alike({name: got[name]}, {name: wanted[name]}, exact=exact)
 
@@ -249,8 +272,9 @@ def _norm_of_pieces(k, name):
     """True if, under shard="gradients", ``name`` of Keras ``k`` clips by a norm
     summed over the ranks' pieces of a variable cut in rows (tf_keras's
     clipnorm and global_clipnorm): not the bits of the whole's norm."""
-    config = OPTIMIZERS_OF[k][name]().get_config()
-    return k is tf_keras and bool(config["clipnorm"] or config["global_clipnorm"])
+    optimizer = OPTIMIZERS_OF[k][name]()
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # (a LossScaleOptimizer's)
+    return k is tf_keras and bool(optimizer.clipnorm or optimizer.global_clipnorm)
 
 
 # shard="gradients" changes the sums, not the updates (the same code as
@@ -331,13 +355,16 @@ def test_100_adam_steps_match_mirrored_strategy_within_1e_6(sharded, scattered):
 
 # What users combine with the optimizer in fit, at once: EMA copies (kept
 # whole), gradient accumulation (in a tf.cond; kept whole) and loss scaling;
-# in tf_keras, EMA copies written into the weights every 3 steps (in a tf.cond)
-# and global norm clipping (of the summed gradients; under shard="gradients"
-# its norm summed over the ranks' shares).
+# in tf_keras, EMA copies written into the weights every 3 steps (in a tf.cond),
+# global norm clipping (of the summed gradients; under shard="gradients" its
+# norm summed over the ranks' shares) and loss scaling.
 FIT_KWARGS = dict(use_ema=True, gradient_accumulation_steps=2)
 FIT_SETUPS = {
     keras: (FIT_KWARGS, "mixed_float16"),
-    tf_keras: (dict(use_ema=True, ema_overwrite_frequency=3, global_clipnorm=0.05), None),
+    tf_keras: (
+        dict(use_ema=True, ema_overwrite_frequency=3, global_clipnorm=0.05),
+        "mixed_float16",
+    ),
 }
 
 
