@@ -132,7 +132,22 @@ class SlotPlaceholder(_tf_internal.ResourceVariable):
             f"{self.held_by} (MPIStrategy(shard=...)); this rank holds none of it."
         )
 
-    numpy = read_value = value = assign = assign_add = assign_sub = _refuse
+    numpy = _refuse
+
+    def value(self) -> Any:
+        """Refused; inside ``reading_placeholders_as_empty``, no rows."""
+        if not getattr(_local, "empty", False):
+            return self._refuse()
+        rest = self.full_shape[1:] if self.full_shape.rank else []
+        return tf.zeros([0, *rest], self.dtype)
+
+    read_value = value
+
+    def assign(self, *_: Any, **__: Any) -> Any:
+        """Refused; inside ``reading_placeholders_as_empty``, nothing."""
+        return tf.no_op() if getattr(_local, "empty", False) else self._refuse()
+
+    assign_add = assign_sub = assign
 
     def __repr__(self) -> str:
         return f"<SlotPlaceholder {self.name} shape={self.full_shape} on {self.held_by}>"
@@ -214,6 +229,20 @@ def slots_start_alike() -> Iterator[None]:
         yield
     finally:
         _local.alike = previous
+
+
+@contextlib.contextmanager
+def reading_placeholders_as_empty() -> Iterator[None]:
+    """Inside the block a ``SlotPlaceholder`` reads as no rows (a tensor of 0
+    rows of its rows' shape) and ignores writes: an optimizer's update of no
+    rows (``features/sharding``: tf_keras's Nadam, whose update also advances
+    state outside its slots) runs on a rank that holds none of them."""
+    previous = getattr(_local, "empty", False)
+    _local.empty = True
+    try:
+        yield
+    finally:
+        _local.empty = previous
 
 
 def starting_alike() -> bool:

@@ -77,6 +77,10 @@ class Plan:
     shadows: dict[int, Any]
     # The optimizer's dict of its variables' positions, by its _var_key.
     positions: str
+    # For an optimizer whose update advances state outside its slots (tf_keras's
+    # Nadam): a variable of no rows for each variable this rank holds none of,
+    # which its update runs on (``_update_held``), in the order of the step.
+    ghosts: dict[int, Any]
 
     def index(self, variable: Any) -> int | None:
         """The variable's position in the list the optimizer was built with."""
@@ -117,10 +121,14 @@ class _Kind:
 
 
 def _make_plan(
-    optimizer: Any, strategy: MPIStrategy, variables: Sequence[Any], kind: _Kind
+    optimizer: Any,
+    strategy: MPIStrategy,
+    variables: Sequence[Any],
+    kind: _Kind,
+    with_ghosts: bool = False,
 ) -> Plan:
     """The partition of ``variables`` (the same on every rank) and this
-    rank's shadows, set on the optimizer."""
+    rank's shadows (and, ``with_ghosts``, ghosts), set on the optimizer."""
     ordered = strategy.extended.ordered_comm
     pieces = tuple(sharding.partition([_rows_and_bytes(v) for v in variables], ordered.size))
     sharding.check_same_partition(ordered, pieces)
@@ -130,8 +138,13 @@ def _make_plan(
         for piece in cut
         if piece.rank == ordered.rank and len(cut) > 1
     }
+    ghosts = {
+        i: _shadow(strategy, v, sharding.Piece(ordered.rank, 0, 0), kind.make)
+        for i, (v, cut) in enumerate(zip(variables, pieces))
+        if with_ghosts and all(piece.rank != ordered.rank for piece in cut)
+    }
     by_id = {id(v): i for i, v in enumerate(variables)}
-    plan = Plan(ordered, by_id, pieces, shadows, kind.positions)
+    plan = Plan(ordered, by_id, pieces, shadows, kind.positions, ghosts)
     object.__setattr__(optimizer, _PLAN, plan)  # (not a tracked attribute)
     return plan
 
@@ -410,7 +423,8 @@ def _update_piece(
     variable: Any,
     *step_args: Any,
 ) -> Any:
-    shadow.assign(variable[piece.start : piece.stop])
+    if piece.stop > piece.start:  # (a ghost has no rows)
+        shadow.assign(variable[piece.start : piece.stop])
     grad = tf.convert_to_tensor(grad)
     rows = grad[piece.start : piece.stop] if whole_grad else grad
     return optimizer.update_step(rows, shadow, *step_args)
@@ -505,17 +519,34 @@ def tf_keras_build_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             _check_tf_keras_supported(self)
             for method in _keras_internal.TF_KERAS_SHARDED_UPDATE:
                 _keras_internal.check_overridden(method)
-            _make_plan(self, strategy, list(var_list), _TF_KERAS)
+            ghosts = type(self).__name__ in _TF_KERAS_STATE_IN_UPDATE
+            _make_plan(self, strategy, list(var_list), _TF_KERAS, with_ghosts=ghosts)
         return original(self, var_list)
 
     return build
 
 
 # tf_keras optimizers whose update_step is elementwise over a variable and its
-# slots, all made by add_variable_from_reference at a constant. (Its Nadam
-# keeps a product over the steps outside its slots, advanced by whichever
-# variable's update comes first; its Ftrl and Adafactor are not sharded either.)
-TF_KERAS_SUPPORTED = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Lion")
+# slots, all made by add_variable_from_reference at a constant. (Its Ftrl and
+# Adafactor are not sharded.)
+TF_KERAS_SUPPORTED = (
+    "SGD",
+    "Adam",
+    "AdamW",
+    "RMSprop",
+    "Adagrad",
+    "Adadelta",
+    "Adamax",
+    "Lion",
+    "Nadam",
+)
+# ... of which these advance state outside the slots in update_step: Nadam's
+# product of its momentum schedule, _u_product (in tf.function, by a tf.cond
+# on a Python counter advanced as each variable's update is traced: its value
+# depends on how many updates came before in the step). Every rank runs the
+# update of every variable, in order, that of a variable it holds none of on
+# no rows (its ghost), so that the product is the unsharded run's.
+_TF_KERAS_STATE_IN_UPDATE = ("Nadam",)
 
 
 def _check_tf_keras_supported(optimizer: Any) -> None:
@@ -696,6 +727,12 @@ def _update_held(
     elif held.here is not None:
         entry = (grad, whole_grad, variable, plan.shadows[index], held.here)
         _update_rows(distribution, optimizer, plan, [entry])
+    elif index in plan.ghosts:
+        ghost = plan.ghosts[index]
+        nothing = tf.zeros(ghost.shape, ghost.dtype)
+        entry = (nothing, False, variable, ghost, sharding.Piece(plan.ordered.rank, 0, 0))
+        with sharding.reading_placeholders_as_empty():
+            _update_rows(distribution, optimizer, plan, [entry])
 
 
 def _clip_shares(
