@@ -218,31 +218,29 @@ def placeholder_creator(full_shape: Any, held_by: str) -> Callable[..., SlotPlac
 _local = threading.local()
 
 
-@contextlib.contextmanager
-def slots_start_alike() -> Iterator[None]:
+def slots_start_alike() -> contextlib.AbstractContextManager[None]:
     """Variables created in the block are slots with a constant initializer,
     which starts them alike on every rank without rank 0's broadcast (only
     their owner creates them: a broadcast would be a collective of one)."""
-    previous = getattr(_local, "alike", False)
-    _local.alike = True
-    try:
-        yield
-    finally:
-        _local.alike = previous
+    return _set_in_thread("alike")
 
 
-@contextlib.contextmanager
-def reading_placeholders_as_empty() -> Iterator[None]:
+def reading_placeholders_as_empty() -> contextlib.AbstractContextManager[None]:
     """Inside the block a ``SlotPlaceholder`` reads as no rows (a tensor of 0
     rows of its rows' shape) and ignores writes: an optimizer's update of no
     rows (``features/sharding``: tf_keras's Nadam, whose update also advances
     state outside its slots) runs on a rank that holds none of them."""
-    previous = getattr(_local, "empty", False)
-    _local.empty = True
+    return _set_in_thread("empty")
+
+
+@contextlib.contextmanager
+def _set_in_thread(flag: str) -> Iterator[None]:
+    previous = getattr(_local, flag, False)
+    setattr(_local, flag, True)
     try:
         yield
     finally:
-        _local.empty = previous
+        setattr(_local, flag, previous)
 
 
 def starting_alike() -> bool:

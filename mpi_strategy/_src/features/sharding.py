@@ -527,19 +527,9 @@ def tf_keras_build_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # tf_keras optimizers whose update_step is elementwise over a variable and its
-# slots, all made by add_variable_from_reference at a constant. (Its Ftrl and
-# Adafactor are not sharded.)
-TF_KERAS_SUPPORTED = (
-    "SGD",
-    "Adam",
-    "AdamW",
-    "RMSprop",
-    "Adagrad",
-    "Adadelta",
-    "Adamax",
-    "Lion",
-    "Nadam",
-)
+# slots, all made by add_variable_from_reference at a constant: Keras 3's
+# list but Ftrl (tf_keras's Ftrl is not sharded).
+TF_KERAS_SUPPORTED = tuple(name for name in SUPPORTED if name != "Ftrl")
 # ... of which these advance state outside the slots in update_step: Nadam's
 # product of its momentum schedule, _u_product (in tf.function, by a tf.cond
 # on a Python counter advanced as each variable's update is traced: its value
