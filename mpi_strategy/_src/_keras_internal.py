@@ -228,6 +228,12 @@ TF_KERAS_TRAINING_STATE = "tf_keras.src.distribute.worker_training_state"
 # Keras 3's LossScaleOptimizer (its public check_finite is wrapped), by its
 # defining module's path. (tf_keras's checks the all-reduced gradients.)
 KERAS3_LOSS_SCALE_OPTIMIZER = "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer"
+# tf_keras's mixed precision: its policy and LossScaleOptimizer raise unless
+# this module's strategy_supports_loss_scaling() (an allow-list of strategy
+# classes) is true; its LossScaleOptimizer checks the gradients with its
+# _is_all_finite (each rank its shares under shard="gradients").
+TF_KERAS_LOSS_SCALING = "tf_keras.src.mixed_precision.loss_scale_optimizer"
+TF_KERAS_LOSS_SCALING_CHECKS = ("strategy_supports_loss_scaling", "_is_all_finite")
 # tf_keras's BackupAndRestore allow-lists strategy classes in this attribute.
 BACKUP_SUPPORTED_STRATEGIES = "_supported_strategies"
 
@@ -359,6 +365,12 @@ TF_KERAS_SHARDED_UPDATE = (
         (2, 21),
     ),
     OverriddenMethod(TF_KERAS_OPTIMIZER, "_update_step", ("gradient", "variable"), (2, 21)),
+    # shard="gradients": the sum over the replicas (a reduce-scatter instead),
+    # and the clipping of the sums (done in the step, on the shares).
+    OverriddenMethod(
+        TF_KERAS_DISTRIBUTED_OPTIMIZER, "aggregate_gradients", ("grads_and_vars",), (2, 21)
+    ),
+    OverriddenMethod(TF_KERAS_OPTIMIZER, "_clip_gradients", ("grads",), (2, 21)),
 )
 # ... and, as Keras 3's, enters a shadow in this dict (variable key -> position).
 TF_KERAS_OPTIMIZER_INDICES = "_index_dict"

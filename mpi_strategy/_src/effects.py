@@ -82,6 +82,14 @@ EFFECTS = (
         "in a replica context of an MPIStrategy of several replicas",
     ),
     Effect(
+        "tf_keras `loss_scale_optimizer.strategy_supports_loss_scaling`, `_is_all_finite` "
+        "(`_keras_internal.TF_KERAS_LOSS_SCALING_CHECKS`)",
+        "tf_keras's mixed precision and LossScaleOptimizer accept MPIStrategy; under "
+        'shard="gradients" a step whose summed gradients overflow in any rank\'s share '
+        "is skipped on every rank",
+        'in the scope of an MPIStrategy (the check: of shard="gradients", several replicas)',
+    ),
+    Effect(
         "Keras 3 `TFOptimizer.add_variable_from_reference`, `_backend_update_step`; "
         "`BaseOptimizer.save_own_variables`, `load_own_variables`, `set_weights` "
         "(`_keras_internal.KERAS3_SHARDED_UPDATE`); both Kerases' legacy `.h5` "
@@ -94,8 +102,10 @@ EFFECTS = (
         "`set_weights`, "
         "`Optimizer.add_variable_from_reference`, "
         "`_distributed_apply_gradients_fn` (`_keras_internal.TF_KERAS_SHARDED_UPDATE`) "
-        "the same for tf_keras's optimizers; its legacy `OptimizerV2._create_all_weights` "
-        "raises (legacy optimizers are not sharded)",
+        "the same for tf_keras's optimizers, and (sharding gradients) its "
+        "`Optimizer.aggregate_gradients` (a reduce-scatter) and `_BaseOptimizer._clip_gradients` "
+        "(the shares clipped in the step, by the norms over all ranks); its legacy "
+        "`OptimizerV2._create_all_weights` raises (legacy optimizers are not sharded)",
         "for an optimizer built in the scope of an MPIStrategy(shard=...) of several ranks",
     ),
     Effect(
@@ -266,6 +276,15 @@ def _adapt_keras(package: str, site: _keras_internal.Site) -> None:
         if package == "tf_keras":
             for owner, name, wrapper in _TF_KERAS_SHARDING_WRAPPERS:
                 _replace(owner, name, wrapper)
+            for name, wrapper in zip(
+                _keras_internal.TF_KERAS_LOSS_SCALING_CHECKS,
+                (
+                    keras_wrappers.tf_keras_supports_loss_scaling_wrapper,
+                    keras_wrappers.tf_keras_is_all_finite_wrapper,
+                ),
+                strict=True,
+            ):
+                _replace(_keras_internal.TF_KERAS_LOSS_SCALING, name, wrapper)
         if package == "tf_keras":
             for name in _keras_internal.TF_KERAS_FILE_UTIL_NAMES:
                 _replace(
@@ -330,6 +349,16 @@ _TF_KERAS_SHARDING_WRAPPERS = (
         sharding.tf_keras_apply_gradients_wrapper,
     ),
     (_keras_internal.TF_KERAS_OPTIMIZER, "_update_step", sharding.tf_keras_update_step_wrapper),
+    (
+        _keras_internal.TF_KERAS_DISTRIBUTED_OPTIMIZER,
+        "aggregate_gradients",
+        sharding.tf_keras_aggregate_gradients_wrapper,
+    ),
+    (
+        _keras_internal.TF_KERAS_OPTIMIZER,
+        "_clip_gradients",
+        sharding.tf_keras_clip_gradients_wrapper,
+    ),
     (_keras_internal.TF_KERAS_OPTIMIZER, "save_own_variables", sharding.save_own_variables_wrapper),
     (_keras_internal.TF_KERAS_OPTIMIZER, "load_own_variables", sharding.load_own_variables_wrapper),
     (_keras_internal.TF_KERAS_OPTIMIZER, "set_weights", sharding.set_weights_wrapper),

@@ -135,7 +135,7 @@ class PythonEngine:
         flat = tf.concat([tf.reshape(t, [-1]) for t in inputs], axis=0)
         next_token, summed = self._op(c, self._numpy(c), token, [flat], [flat.dtype])
         parts = tf.split(summed, [math.prod(shape) for shape in shapes])
-        return [next_token, *(tf.reshape(p, s) for p, s in zip(parts, shapes))]
+        return [next_token, *(unknown_to_grappler(tf.reshape(p, s)) for p, s in zip(parts, shapes))]
 
     def _numpy(self, c: Collective) -> Callable[..., Sequence[np.ndarray]]:
         """The numpy function ``(token, *arrays) -> outputs`` of ``c`` (its
@@ -178,3 +178,16 @@ class NativeEngine:
 
     def _kernel(self, c: Collective, token: tf.Tensor, inputs: Outputs) -> Outputs:
         return self._kernels.run(collective_ops.get(c.kind), c, token, inputs)
+
+
+def unknown_to_grappler(tensor: tf.Tensor) -> tf.Tensor:
+    """``tensor`` with a shape TensorFlow's graph optimizer (Grappler) does not
+    know, as a kernel's output (``NativeEngine``: no shape function) has; its
+    static shape stays known to Python. Where every shape in a product is
+    known, Grappler's arithmetic optimizer may reorder the product
+    (``lr * gradient * rsqrt(...)`` of tf_keras's RMSprop), which changes the
+    last bits: a result must not depend on the engine, nor on the collective
+    (all-reduce, or reduce-scatter and slicing) its operands came from."""
+    hidden = tf.compat.v1.placeholder_with_default(tensor, shape=None)
+    hidden.set_shape(tensor.shape)
+    return hidden

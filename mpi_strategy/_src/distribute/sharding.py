@@ -37,6 +37,7 @@ import tensorflow as tf
 from mpi_strategy._src import _tf_internal
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.process import PROCESS
+from mpi_strategy._src.distribute.engines import unknown_to_grappler
 from mpi_strategy._src.distribute.fusion import wire_dtype
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 
@@ -131,7 +132,22 @@ class SlotPlaceholder(_tf_internal.ResourceVariable):
             f"{self.held_by} (MPIStrategy(shard=...)); this rank holds none of it."
         )
 
-    numpy = read_value = value = assign = assign_add = assign_sub = _refuse
+    numpy = _refuse
+
+    def value(self) -> Any:
+        """Refused; inside ``reading_placeholders_as_empty``, no rows."""
+        if not getattr(_local, "empty", False):
+            return self._refuse()
+        rest = self.full_shape[1:] if self.full_shape.rank else []
+        return tf.zeros([0, *rest], self.dtype)
+
+    read_value = value
+
+    def assign(self, *_: Any, **__: Any) -> Any:
+        """Refused; inside ``reading_placeholders_as_empty``, nothing."""
+        return tf.no_op() if getattr(_local, "empty", False) else self._refuse()
+
+    assign_add = assign_sub = assign
 
     def __repr__(self) -> str:
         return f"<SlotPlaceholder {self.name} shape={self.full_shape} on {self.held_by}>"
@@ -202,17 +218,29 @@ def placeholder_creator(full_shape: Any, held_by: str) -> Callable[..., SlotPlac
 _local = threading.local()
 
 
-@contextlib.contextmanager
-def slots_start_alike() -> Iterator[None]:
+def slots_start_alike() -> contextlib.AbstractContextManager[None]:
     """Variables created in the block are slots with a constant initializer,
     which starts them alike on every rank without rank 0's broadcast (only
     their owner creates them: a broadcast would be a collective of one)."""
-    previous = getattr(_local, "alike", False)
-    _local.alike = True
+    return _set_in_thread("alike")
+
+
+def reading_placeholders_as_empty() -> contextlib.AbstractContextManager[None]:
+    """Inside the block a ``SlotPlaceholder`` reads as no rows (a tensor of 0
+    rows of its rows' shape) and ignores writes: an optimizer's update of no
+    rows (``features/sharding``: tf_keras's Nadam, whose update also advances
+    state outside its slots) runs on a rank that holds none of them."""
+    return _set_in_thread("empty")
+
+
+@contextlib.contextmanager
+def _set_in_thread(flag: str) -> Iterator[None]:
+    previous = getattr(_local, flag, False)
+    setattr(_local, flag, True)
     try:
         yield
     finally:
-        _local.alike = previous
+        setattr(_local, flag, previous)
 
 
 def starting_alike() -> bool:
@@ -288,7 +316,7 @@ def scatter_pieces(
         for (i, p), part in zip(own, tf.split(summed[0, : sum(sizes)], sizes) if own else []):
             whole = p.start == 0 and p.stop == rows_of(values[i].shape)
             shape = values[i].shape if whole else [p.stop - p.start, *values[i].shape[1:]]
-            mine[i] = tf.cast(tf.reshape(part, shape), values[i].dtype)
+            mine[i] = unknown_to_grappler(tf.cast(tf.reshape(part, shape), values[i].dtype))
     return mine
 
 

@@ -117,19 +117,57 @@ def check_finite_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def check_finite(self: Any, grads: Any) -> Any:
-        finite = original(self, grads)
         strategy = tf.distribute.get_strategy()
-        context = tf.distribute.get_replica_context()
-        if (
-            not isinstance(strategy, MPIStrategy)
-            or strategy.num_replicas_in_sync == 1
-            or context is None
-        ):
-            return finite
-        overflowed = context.all_reduce("SUM", tf.cast(tf.logical_not(finite), tf.int32))
-        return tf.equal(overflowed, 0)
+        if not isinstance(strategy, MPIStrategy) or strategy.num_replicas_in_sync == 1:
+            return original(self, grads)
+        return _finite_on_every_replica(original(self, grads))
 
     return check_finite
+
+
+def _finite_on_every_replica(finite: Any) -> Any:
+    """``finite`` (this replica's answer) and'ed over every replica (in a
+    replica context; elsewhere as it is)."""
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return finite
+    overflowed = context.all_reduce("SUM", tf.cast(tf.logical_not(finite), tf.int32))
+    return tf.equal(overflowed, 0)
+
+
+def tf_keras_supports_loss_scaling_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """tf_keras's ``strategy_supports_loss_scaling`` (which its mixed precision
+    policy and ``LossScaleOptimizer`` ask, and raise on): true in an
+    MPIStrategy, which synchronizes as the MirroredStrategy it allows."""
+
+    @functools.wraps(original)
+    def strategy_supports_loss_scaling() -> bool:
+        if isinstance(tf.distribute.get_strategy(), MPIStrategy):
+            return True
+        return bool(original())
+
+    return strategy_supports_loss_scaling
+
+
+def tf_keras_is_all_finite_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """tf_keras's ``LossScaleOptimizer`` check of the gradients (``_is_all_finite``)
+    under ``MPIStrategy(shard="gradients")``, where each rank checks its
+    share of the summed gradients: true on every replica only if every share
+    is finite, as the summed gradients of the unsharded run are (else the ranks
+    would not agree on skipping the step)."""
+
+    @functools.wraps(original)
+    def _is_all_finite(grads: Any) -> Any:
+        strategy = tf.distribute.get_strategy()
+        if not (
+            isinstance(strategy, MPIStrategy)
+            and strategy.extended.shard == "gradients"
+            and strategy.num_replicas_in_sync > 1
+        ):
+            return original(grads)
+        return _finite_on_every_replica(original(grads))
+
+    return _is_all_finite
 
 
 def _per_replica(value: Any) -> bool:

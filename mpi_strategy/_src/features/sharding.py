@@ -1,5 +1,5 @@
-"""Keras 3 optimizers under ``MPIStrategy(shard="optimizer")`` (ZeRO stage 1)
-and ``shard="gradients"`` (stage 2); tf_keras's under ``shard="optimizer"``.
+"""Keras 3's and tf_keras's optimizers under ``MPIStrategy(shard="optimizer")``
+(ZeRO stage 1) and ``shard="gradients"`` (stage 2).
 
 An optimizer built in the scope of a sharding MPIStrategy of several ranks
 partitions the variables it was built with (``distribute/sharding.partition``)
@@ -17,13 +17,16 @@ and, through the methods wrapped here (``effects.py`` installs them):
   Keras' ``BackupAndRestore``): each slot gathered whole on every rank from
   the ranks that hold it, one at a time; a load sets what this rank holds.
 
-tf_keras's optimizers (``shard="optimizer"``; ``TF_KERAS_SUPPORTED``) use the
-same plan, slots and all-gather: ``_BaseOptimizer.build`` makes the plan,
+tf_keras's optimizers (``TF_KERAS_SUPPORTED``) use the same plan, slots and
+all-gather: ``_BaseOptimizer.build`` makes the plan,
 ``Optimizer.add_variable_from_reference`` each rank's slots, and
 ``Optimizer._distributed_apply_gradients_fn`` (given the gradients tf_keras
 summed and clipped) updates this rank's share, gathers the rest, then runs the
 original for its EMA and step count, with ``_update_step`` a no-op; its
 ``save_own_variables`` / ``load_own_variables`` are wrapped as Keras 3's.
+Stage 2: ``Optimizer.aggregate_gradients`` reduce-scatters instead of
+summing, ``_clip_gradients`` lets the shares pass, and the step clips them
+(``_clip_shares``: the norms summed over the ranks) before it updates.
 
 The update is the replicated one, restricted to this rank's share: every number
 equals the unsharded run's (same sums, same ops; stage 2's reduce-scatter may
@@ -74,6 +77,10 @@ class Plan:
     shadows: dict[int, Any]
     # The optimizer's dict of its variables' positions, by its _var_key.
     positions: str
+    # For an optimizer whose update advances state outside its slots (tf_keras's
+    # Nadam): a variable of no rows for each variable this rank holds none of,
+    # which its update runs on (``_update_held``), in the order of the step.
+    ghosts: dict[int, Any]
 
     def index(self, variable: Any) -> int | None:
         """The variable's position in the list the optimizer was built with."""
@@ -114,10 +121,14 @@ class _Kind:
 
 
 def _make_plan(
-    optimizer: Any, strategy: MPIStrategy, variables: Sequence[Any], kind: _Kind
+    optimizer: Any,
+    strategy: MPIStrategy,
+    variables: Sequence[Any],
+    kind: _Kind,
+    with_ghosts: bool = False,
 ) -> Plan:
     """The partition of ``variables`` (the same on every rank) and this
-    rank's shadows, set on the optimizer."""
+    rank's shadows (and, ``with_ghosts``, ghosts), set on the optimizer."""
     ordered = strategy.extended.ordered_comm
     pieces = tuple(sharding.partition([_rows_and_bytes(v) for v in variables], ordered.size))
     sharding.check_same_partition(ordered, pieces)
@@ -127,8 +138,13 @@ def _make_plan(
         for piece in cut
         if piece.rank == ordered.rank and len(cut) > 1
     }
+    ghosts = {
+        i: _shadow(strategy, v, sharding.Piece(ordered.rank, 0, 0), kind.make)
+        for i, (v, cut) in enumerate(zip(variables, pieces))
+        if with_ghosts and all(piece.rank != ordered.rank for piece in cut)
+    }
     by_id = {id(v): i for i, v in enumerate(variables)}
-    plan = Plan(ordered, by_id, pieces, shadows, kind.positions)
+    plan = Plan(ordered, by_id, pieces, shadows, kind.positions, ghosts)
     object.__setattr__(optimizer, _PLAN, plan)  # (not a tracked attribute)
     return plan
 
@@ -328,14 +344,28 @@ def _scatter_and_update(
     """ZeRO stage 2: each rank receives the sum of its rows of the gradients
     (one reduce-scatter) and updates them; a whole variable's gradient arrives
     whole, a piece's as its rows."""
+    mine = _scatter(distribution, plan, grads, variables, indices)
+    whole, rows = _whole_and_rows(plan, mine.items(), variables, indices, whole_grads=False)
+    optimizer._distributed_tf_update_step(distribution, whole, learning_rate)
+    _update_rows(distribution, optimizer, plan, rows, learning_rate)
+
+
+def _scatter(
+    distribution: Any,
+    plan: Plan,
+    grads: Sequence[Any],
+    variables: Sequence[Any],
+    indices: Sequence[int],
+) -> dict[int, tf.Tensor]:
+    """This rank's rows of ``grads`` (its replicas' gradients of ``variables``)
+    summed over every replica, by one reduce-scatter: {position in ``grads``:
+    the whole gradient of a variable held whole here, the rows' of one held in
+    part}."""
     local = [cross_device_ops.dense_local_sum(g) for g in grads]
     pieces = [plan.pieces[i] for i in indices]
     timeout = distribution.extended.timeout_seconds
     shapes = [tf.TensorShape(v.shape) for v in variables]
-    mine = sharding.scatter_pieces(plan.ordered, local, shapes, pieces, timeout)
-    whole, rows = _whole_and_rows(plan, mine.items(), variables, indices, whole_grads=False)
-    optimizer._distributed_tf_update_step(distribution, whole, learning_rate)
-    _update_rows(distribution, optimizer, plan, rows, learning_rate)
+    return sharding.scatter_pieces(plan.ordered, local, shapes, pieces, timeout)
 
 
 def _whole_and_rows(
@@ -393,7 +423,8 @@ def _update_piece(
     variable: Any,
     *step_args: Any,
 ) -> Any:
-    shadow.assign(variable[piece.start : piece.stop])
+    if piece.stop > piece.start:  # (a ghost has no rows)
+        shadow.assign(variable[piece.start : piece.stop])
     grad = tf.convert_to_tensor(grad)
     rows = grad[piece.start : piece.stop] if whole_grad else grad
     return optimizer.update_step(rows, shadow, *step_args)
@@ -554,39 +585,40 @@ def _name(variable: Any) -> str:
 def tf_keras_build_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """tf_keras's ``_BaseOptimizer.build``: in a sharding MPIStrategy of
     several ranks, partitions ``var_list`` before the optimizer makes its slots
-    (raises for an optimizer it does not shard, and for shard="gradients")."""
+    (raises for an optimizer it does not shard)."""
 
     @functools.wraps(original)
     def build(self: Any, var_list: Any) -> Any:
         strategy = _sharding(self)
         if strategy is not None and not getattr(self, "_built", False) and plan_of(self) is None:
-            _check_tf_keras_supported(self, strategy)
+            _check_tf_keras_supported(self)
             for method in _keras_internal.TF_KERAS_SHARDED_UPDATE:
                 _keras_internal.check_overridden(method)
-            _make_plan(self, strategy, list(var_list), _TF_KERAS)
+            ghosts = type(self).__name__ in _TF_KERAS_STATE_IN_UPDATE
+            _make_plan(self, strategy, list(var_list), _TF_KERAS, with_ghosts=ghosts)
         return original(self, var_list)
 
     return build
 
 
 # tf_keras optimizers whose update_step is elementwise over a variable and its
-# slots, all made by add_variable_from_reference at a constant. (Its Nadam
-# keeps a product over the steps outside its slots, advanced by whichever
-# variable's update comes first; its Ftrl and Adafactor are not sharded either.)
-TF_KERAS_SUPPORTED = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Lion")
+# slots, all made by add_variable_from_reference at a constant: Keras 3's
+# list but Ftrl (tf_keras's Ftrl is not sharded).
+TF_KERAS_SUPPORTED = tuple(name for name in SUPPORTED if name != "Ftrl")
+# ... of which these advance state outside the slots in update_step: Nadam's
+# product of its momentum schedule, _u_product (in tf.function, by a tf.cond
+# on a Python counter advanced as each variable's update is traced: its value
+# depends on how many updates came before in the step). Every rank runs the
+# update of every variable, in order, that of a variable it holds none of on
+# no rows (its ghost), so that the product is the unsharded run's.
+_TF_KERAS_STATE_IN_UPDATE = ("Nadam",)
 
 
-def _check_tf_keras_supported(optimizer: Any, strategy: MPIStrategy) -> None:
+def _check_tf_keras_supported(optimizer: Any) -> None:
     kind = type(optimizer)
-    if strategy.extended.shard != "optimizer":
-        raise MPIStrategyError(
-            f"mpi_strategy: MPIStrategy(shard={strategy.extended.shard!r}) shards Keras 3 "
-            f"optimizers; tf_keras's {kind.__name__} is sharded with shard='optimizer' only "
-            "(its gradients are clipped after they are summed). Use shard='optimizer'."
-        )
     if not (kind.__module__.startswith("tf_keras.") and kind.__name__ in TF_KERAS_SUPPORTED):
         raise MPIStrategyError(
-            f"mpi_strategy: MPIStrategy(shard='optimizer') shards the state of tf_keras' "
+            f"mpi_strategy: MPIStrategy(shard=...) shards the state of tf_keras' "
             f"{', '.join(TF_KERAS_SUPPORTED)}; not of {kind.__name__}, whose update may read a "
             "whole variable or keep state outside its slots. Use MPIStrategy() without shard=."
         )
@@ -644,10 +676,72 @@ def tf_keras_add_variable_from_reference_wrapper(
     return add_variable_from_reference
 
 
+def tf_keras_aggregate_gradients_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """tf_keras's ``Optimizer.aggregate_gradients`` (the sum over the replicas
+    ``apply_gradients`` and ``LossScaleOptimizer`` make) under
+    ``shard="gradients"``: this rank's share of the summed gradients, by one
+    reduce-scatter (``_scatter``), in place of the all-reduce: a variable's
+    whole gradient where this rank holds it whole, its rows' where it holds
+    rows, an empty gradient where it holds none. Every rank gets its own share;
+    the clipping that follows waits for the step (``_clip_shares``)."""
+
+    @functools.wraps(original)
+    def aggregate_gradients(self: Any, grads_and_vars: Any) -> Any:
+        plan, strategy = plan_of(self), _sharding(self)
+        if plan is None or strategy is None or strategy.extended.shard != "gradients":
+            return original(self, grads_and_vars)
+        pairs = list(grads_and_vars)
+        given = [k for k, (grad, _) in enumerate(pairs) if grad is not None]
+        shares = tf.__internal__.distribute.interim.maybe_merge_call(
+            _scatter_shares,
+            strategy,
+            plan,
+            [pairs[k][0] for k in given],
+            [pairs[k][1] for k in given],
+        )
+        for k, share in zip(given, shares):
+            pairs[k] = (share, pairs[k][1])
+        object.__setattr__(self, _SCATTERED, True)  # (not a tracked attribute)
+        return pairs
+
+    return aggregate_gradients
+
+
+# Set on a tf_keras optimizer from the reduce-scatter of its gradients to its
+# step (shard="gradients"): the gradients it is given are this rank's shares.
+_SCATTERED = "_mpi_strategy_scattered"
+
+
+def _scatter_shares(
+    distribution: Any, plan: Plan, grads: Sequence[Any], variables: Sequence[Any]
+) -> list[tf.Tensor]:
+    """Each gradient's share on this rank (``_scatter``), an empty one for a
+    variable held elsewhere."""
+    indices = [plan.position(v) for v in variables]
+    mine = _scatter(distribution, plan, grads, variables, indices)
+    empty = [tf.zeros([0], distribution.experimental_local_results(g)[0].dtype) for g in grads]
+    return [mine.get(k, empty[k]) for k in range(len(grads))]
+
+
+def tf_keras_clip_gradients_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """tf_keras's ``_BaseOptimizer._clip_gradients``: the shares of a
+    reduce-scatter are clipped in the step, with the norms of the whole
+    gradients (``_clip_shares``); other gradients as tf_keras clips them."""
+
+    @functools.wraps(original)
+    def _clip_gradients(self: Any, grads: Any) -> Any:
+        if self.__dict__.get(_SCATTERED):
+            return list(grads)
+        return original(self, grads)
+
+    return _clip_gradients
+
+
 def tf_keras_apply_gradients_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """tf_keras's ``Optimizer._distributed_apply_gradients_fn`` (in the merge
-    call, with the summed gradients): this rank's variables (and rows)
-    updated, the others gathered from the ranks that hold them; then the
+    call, with the summed gradients, or this rank's shares of them: clipped
+    first, ``_clip_shares``): this rank's variables (and rows) updated, in the
+    order given, the others gathered from the ranks that hold them; then the
     original for the rest of the step (EMA, the step count), its own updates
     skipped (``tf_keras_update_step_wrapper``)."""
 
@@ -661,13 +755,14 @@ def tf_keras_apply_gradients_wrapper(original: Callable[..., Any]) -> Callable[.
         grads_and_vars = list(grads_and_vars)
         variables = [v for _, v in grads_and_vars]
         indices = [plan.position(v) for v in variables]
-        grads = enumerate(g for g, _ in grads_and_vars)
-        whole, rows = _whole_and_rows(plan, grads, variables, indices, whole_grads=True)
-        for grad, variable in whole:
-            distribution.extended.update(
-                variable, functools.partial(_step, self), args=(grad,), group=False
-            )
-        _update_rows(distribution, self, plan, rows)
+        grads = [g for g, _ in grads_and_vars]
+        scattered = self.__dict__.get(_SCATTERED, False)
+        if scattered:
+            object.__setattr__(self, _SCATTERED, False)
+            shares = [distribution.experimental_local_results(g)[0] for g in grads]
+            grads = _clip_shares(distribution, self, plan, shares, indices)
+        for grad, variable, i in zip(grads, variables, indices):
+            _update_held(distribution, self, plan, grad, variable, i, whole_grad=not scattered)
         _assign_from_pieces(distribution, plan, variables, indices)
         object.__setattr__(self, _UPDATED, True)  # (not a tracked attribute)
         try:
@@ -676,6 +771,74 @@ def tf_keras_apply_gradients_wrapper(original: Callable[..., Any]) -> Callable[.
             object.__setattr__(self, _UPDATED, False)
 
     return _distributed_apply_gradients_fn
+
+
+def _update_held(
+    distribution: Any,
+    optimizer: Any,
+    plan: Plan,
+    grad: Any,
+    variable: Any,
+    index: int,
+    whole_grad: bool,
+) -> None:
+    """The update of what this rank holds of ``variable`` (position ``index``),
+    from ``grad`` (the whole variable's, or, not ``whole_grad``, of the rows held)."""
+    held = sharding.Held(plan.pieces[index], plan.ordered, variable.shape)
+    if held.whole_here:
+        distribution.extended.update(
+            variable, functools.partial(_step, optimizer), args=(grad,), group=False
+        )
+    elif held.here is not None:
+        entry = (grad, whole_grad, variable, plan.shadows[index], held.here)
+        _update_rows(distribution, optimizer, plan, [entry])
+    elif index in plan.ghosts:
+        ghost = plan.ghosts[index]
+        nothing = tf.zeros(ghost.shape, ghost.dtype)
+        entry = (nothing, False, variable, ghost, sharding.Piece(plan.ordered.rank, 0, 0))
+        with sharding.reading_placeholders_as_empty():
+            _update_rows(distribution, optimizer, plan, [entry])
+
+
+def _clip_shares(
+    distribution: Any, optimizer: Any, plan: Plan, shares: Sequence[Any], indices: Sequence[int]
+) -> list[Any]:
+    """This rank's shares of the summed gradients, clipped as tf_keras clips
+    the whole ones (``_clip_gradients``): ``clipnorm`` by the norm of each
+    variable's whole gradient and ``global_clipnorm`` by that of all of them,
+    the squares of each share summed over the ranks (one all-reduce of a
+    number per variable: exact for a variable held whole, within rounding for
+    one held in rows); ``clipvalue`` elementwise."""
+    timeout = distribution.extended.timeout_seconds
+    clipnorm, global_clipnorm = optimizer.clipnorm, optimizer.global_clipnorm
+    if clipnorm and clipnorm > 0:
+        squares = [tf.reduce_sum(s * s) for s in shares]
+        totals = tf.unstack(plan.ordered.allreduce_sum(tf.stack(squares), timeout))
+        return [
+            _clip_by_norm_of(s, total, clipnorm, whole=_held_whole(plan, i, s))
+            for s, total, i in zip(shares, totals, indices)
+        ]
+    if global_clipnorm and global_clipnorm > 0:
+        halves = [tf.nn.l2_loss(s) for s in shares]
+        half = tf.reduce_sum(plan.ordered.allreduce_sum(tf.stack(halves), timeout))
+        norm = tf.sqrt(half * tf.constant(2.0, half.dtype))
+        return tf.clip_by_global_norm(shares, global_clipnorm, use_norm=norm)[0]
+    return list(optimizer._clip_gradients(shares))  # (clipvalue, elementwise)
+
+
+def _held_whole(plan: Plan, index: int, share: Any) -> bool:
+    return bool(sharding.Held(plan.pieces[index], plan.ordered, share.shape).whole_here)
+
+
+def _clip_by_norm_of(share: Any, l2sum: tf.Tensor, clip_norm: float, whole: bool) -> Any:
+    """``tf.clip_by_norm`` of the whole gradient, on ``share``: itself where
+    the share is the whole gradient (the same bits); else by the norm of the
+    whole, whose squares sum to ``l2sum``."""
+    if whole:
+        return tf.clip_by_norm(share, clip_norm)
+    positive = l2sum > 0
+    norm = tf.where(positive, tf.sqrt(tf.where(positive, l2sum, tf.ones_like(l2sum))), l2sum)
+    return share * clip_norm / tf.maximum(norm, clip_norm)
 
 
 def _step(optimizer: Any, variable: Any, grad: Any) -> Any:

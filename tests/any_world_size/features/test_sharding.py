@@ -67,16 +67,26 @@ OPTIMIZERS = {
 }
 
 
-# tf_keras's optimizers it shards (shard="optimizer" only).
+# tf_keras's optimizers it shards, with each way tf_keras clips the summed
+# gradients (clipvalue, clipnorm: 1.5 clips some variables, the one cut in rows
+# among them, global_clipnorm).
 TF_KERAS_OPTIMIZERS = {
-    "sgd_momentum": lambda: tf_keras.optimizers.SGD(0.05, momentum=0.9),
+    "sgd_momentum": lambda: tf_keras.optimizers.SGD(0.05, momentum=0.9, clipnorm=1.5),
     "adam_global_clipnorm": lambda: tf_keras.optimizers.Adam(0.01, global_clipnorm=0.05),
-    "rmsprop_momentum": lambda: tf_keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
+    "rmsprop_momentum": lambda: tf_keras.optimizers.RMSprop(
+        0.01, momentum=0.5, centered=True, clipvalue=0.3
+    ),
     "adamw": lambda: tf_keras.optimizers.AdamW(0.01, weight_decay=0.05),
     "adagrad": lambda: tf_keras.optimizers.Adagrad(0.05),
     "adadelta": lambda: tf_keras.optimizers.Adadelta(1.0),
     "adamax": lambda: tf_keras.optimizers.Adamax(0.01),
     "lion": lambda: tf_keras.optimizers.Lion(0.003),
+    # (a product over the steps outside its slots, advanced in the update of each variable)
+    "nadam": lambda: tf_keras.optimizers.Nadam(0.01),
+    # (its loss scaled; one replica's gradient infinite at step 1: _overflow_at_step_1)
+    "adam_loss_scale": lambda: tf_keras.mixed_precision.LossScaleOptimizer(
+        tf_keras.optimizers.Adam(0.01)
+    ),
 }
 OPTIMIZERS_OF = {keras: OPTIMIZERS, tf_keras: TF_KERAS_OPTIMIZERS}
 # Each test so marked runs with Keras 3 and with tf_keras.
@@ -156,9 +166,14 @@ def train_each(
     def step(x, y):
         def replica(x, y):
             for model, optimizer, _ in trained.values():
+                scaled = isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer)
                 with tf.GradientTape() as tape:
                     loss = tf.reduce_sum(tf.square(model(x) - y)) / BATCH
+                    if scaled:
+                        loss = optimizer.get_scaled_loss(loss)
                 grads = tape.gradient(loss, model.trainable_variables)
+                if scaled:
+                    grads = _overflow_at_step_1(optimizer, optimizer.get_unscaled_gradients(grads))
                 optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
         strategy.run(replica, (x, y))
@@ -168,6 +183,16 @@ def train_each(
         for model, _, history in trained.values():
             history.append(model.get_weights())
     return trained
+
+
+def _overflow_at_step_1(optimizer, grads):
+    """``grads`` with, at step 1, the first replica's gradient of the last
+    variable (held by the last rank alone) infinite: every rank skips the
+    step (under shard="gradients" the last rank alone sees it in its share)."""
+    replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+    overflow = tf.logical_and(tf.equal(optimizer.iterations, 1), tf.equal(replica, 0))
+    infinite = tf.fill(tf.shape(grads[-1]), np.float32(np.inf))
+    return [*grads[:-1], tf.where(overflow, infinite, grads[-1])]
 
 
 def _held_here(variable):
@@ -230,22 +255,33 @@ SUMS_ALIKE = SIZE == 2
 def test_custom_loop_matches_the_unsharded_run_bit_for_bit(strategy, sharded, scattered, k):
     """Every optimizer of OPTIMIZERS (TF_KERAS_OPTIMIZERS), each on its own
     model, in one step function: sharded state bit for bit; reduce-scattered
-    gradients (for SCATTERED_OPTIMIZERS, Keras 3) too at 2 ranks (the same
-    sums), within 1e-6 otherwise."""
+    gradients (for SCATTERED_OPTIMIZERS) too at 2 ranks (the same sums; the
+    clipping norms summed over the ranks' shares), within 1e-6 otherwise."""
     wanted = train_each(strategy, OPTIMIZERS_OF[k], k=k)
     _assert_trained_alike(train_each(sharded, OPTIMIZERS_OF[k], k=k), wanted)
-    if k is tf_keras:
-        return
-    scattered_wanted = {name: wanted[name] for name in SCATTERED_OPTIMIZERS}
-    scattered_optimizers = {name: OPTIMIZERS[name] for name in SCATTERED_OPTIMIZERS}
-    _assert_trained_alike(
-        train_each(scattered, scattered_optimizers), scattered_wanted, exact=SUMS_ALIKE
-    )
+    names = SCATTERED_OPTIMIZERS + (("adam_loss_scale", "nadam") if k is tf_keras else ())
+    got = train_each(scattered, {name: OPTIMIZERS_OF[k][name] for name in names}, k=k)
+    if k is tf_keras:  # (step 1 skipped, on every rank)
+        for _, _, weights in (wanted["adam_loss_scale"], got["adam_loss_scale"]):
+            for before, after in zip(weights[0], weights[1], strict=True):
+                np.testing.assert_array_equal(after, before)
+    for name in names:
+        exact = SUMS_ALIKE and not _norm_of_pieces(k, name)
+        _assert_trained_alike({name: got[name]}, {name: wanted[name]}, exact=exact)
+
+
+def _norm_of_pieces(k, name):
+    """True if, under shard="gradients", ``name`` of Keras ``k`` clips by a norm
+    summed over the ranks' pieces of a variable cut in rows (tf_keras's
+    clipnorm and global_clipnorm): not the bits of the whole's norm."""
+    optimizer = OPTIMIZERS_OF[k][name]()
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # (a LossScaleOptimizer's)
+    return k is tf_keras and bool(optimizer.clipnorm or optimizer.global_clipnorm)
 
 
 # shard="gradients" changes the sums, not the updates (the same code as
 # shard="optimizer"'s): a few optimizers, of one, two and three slots, with
-# global norm clipping (CI time).
+# global norm clipping (and, tf_keras's, each clipping; CI time).
 SCATTERED_OPTIMIZERS = ("sgd_momentum", "adam_global_clipnorm", "rmsprop_momentum")
 
 
@@ -321,12 +357,16 @@ def test_100_adam_steps_match_mirrored_strategy_within_1e_6(sharded, scattered):
 
 # What users combine with the optimizer in fit, at once: EMA copies (kept
 # whole), gradient accumulation (in a tf.cond; kept whole) and loss scaling;
-# in tf_keras, EMA copies written into the weights every 3 steps (in a tf.cond)
-# and global norm clipping (of the summed gradients).
+# in tf_keras, EMA copies written into the weights every 3 steps (in a tf.cond),
+# global norm clipping (of the summed gradients; under shard="gradients" its
+# norm summed over the ranks' shares) and loss scaling.
 FIT_KWARGS = dict(use_ema=True, gradient_accumulation_steps=2)
 FIT_SETUPS = {
     keras: (FIT_KWARGS, "mixed_float16"),
-    tf_keras: (dict(use_ema=True, ema_overwrite_frequency=3, global_clipnorm=0.05), None),
+    tf_keras: (
+        dict(use_ema=True, ema_overwrite_frequency=3, global_clipnorm=0.05),
+        "mixed_float16",
+    ),
 }
 
 
@@ -339,7 +379,7 @@ def fit(strategy, adam_kwargs, policy, k=keras):
             model = _model(k)
             optimizer = k.optimizers.Adam(0.01, **adam_kwargs)
             if policy:
-                optimizer = k.optimizers.LossScaleOptimizer(optimizer)
+                optimizer = k.mixed_precision.LossScaleOptimizer(optimizer)
             model.compile(optimizer=optimizer, loss="mse")
         history = model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     finally:
@@ -356,8 +396,8 @@ def test_fit_matches_the_unsharded_run_bit_for_bit(strategy, sharded, scattered,
     if LOCAL_DEVICES > 1:  # (synchronizes in a tf.cond: one device per rank only)
         adam_kwargs.pop("gradient_accumulation_steps", None)
     want_losses, want_weights, want_optimizer, _ = fit(strategy, adam_kwargs, policy, k)
-    stages = ((sharded, True), (scattered, SUMS_ALIKE)) if k is keras else ((sharded, True),)
-    for on, exact in stages:
+    # (tf_keras: its global norm summed over the ranks' pieces, within 1e-6)
+    for on, exact in ((sharded, True), (scattered, SUMS_ALIKE and k is keras)):
         losses, weights, optimizer, _ = fit(on, adam_kwargs, policy, k)
         close = np.testing.assert_array_equal if exact else _within_1e_6
         close(losses, want_losses)
@@ -450,7 +490,7 @@ def test_a_sharded_checkpoint_holds_the_unsharded_bytes_and_restores_either_way(
         [
             (saved, strategy, 0),
             *itertools.product((saved, plain), (sharded,), (0, 1)),
-            *([(saved, scattered, 1)] if k is keras else []),
+            *([(saved, scattered, 1)] if k is keras else []),  # (tf_keras: CI time)
         ],
         exact_on=lambda on: on is not scattered or SUMS_ALIKE,
     )
@@ -733,21 +773,11 @@ def test_a_tf_keras_legacy_optimizer_raises_on_every_rank(sharded):
 
 
 @partitioned
-def test_a_tf_keras_optimizer_it_does_not_shard_raises_on_every_rank(sharded, scattered):
-    """tf_keras's Nadam (a product over the steps outside its slots), Ftrl and
-    Adafactor; and any of its optimizers under shard="gradients"."""
-    for other in (
-        tf_keras.optimizers.Nadam,
-        tf_keras.optimizers.Ftrl,
-        tf_keras.optimizers.Adafactor,
-    ):
+def test_a_tf_keras_optimizer_it_does_not_shard_raises_on_every_rank(sharded):
+    """tf_keras's Ftrl and Adafactor."""
+    for other in (tf_keras.optimizers.Ftrl, tf_keras.optimizers.Adafactor):
         with sharded.scope():
             model = _model(tf_keras)
             optimizer = other()
             with pytest.raises(MPIStrategyError, match=f"not of {other.__name__},"):
                 optimizer.build(model.trainable_variables)
-    with scattered.scope():
-        model = _model(tf_keras)
-        optimizer = tf_keras.optimizers.Adam()
-        with pytest.raises(MPIStrategyError, match="with shard='optimizer' only"):
-            optimizer.build(model.trainable_variables)
