@@ -46,7 +46,7 @@ def build(K, strategy, steps_per_execution=1):
             [
                 K.Input((FEATURES,)),
                 K.layers.Dense(16, activation="relu"),
-                K.layers.Dense(CLASSES),
+                K.layers.Dense(CLASSES, dtype="float32"),  # (mixed precision's outputs)
             ]
         )
         model.set_weights(
@@ -64,7 +64,15 @@ def build(K, strategy, steps_per_execution=1):
     return model
 
 
-def fit_evaluate_predict(K, strategy, input_kind, steps_per_execution, steps_per_epoch):
+def fit_evaluate_predict(K, strategy, input_kind, steps_per_execution, steps_per_epoch, policy):
+    K.mixed_precision.set_global_policy(policy)  # (mixed_float16: a LossScaleOptimizer)
+    try:
+        return _fit_evaluate_predict(K, strategy, input_kind, steps_per_execution, steps_per_epoch)
+    finally:
+        K.mixed_precision.set_global_policy("float32")
+
+
+def _fit_evaluate_predict(K, strategy, input_kind, steps_per_execution, steps_per_epoch):
     model = build(K, strategy, steps_per_execution)
     if input_kind == "numpy":
         train = dict(x=X, y=Y, batch_size=BATCH, shuffle=False)
@@ -81,21 +89,20 @@ def fit_evaluate_predict(K, strategy, input_kind, steps_per_execution, steps_per
 
 
 @pytest.mark.parametrize(
-    "input_kind,steps_per_execution,steps_per_epoch",
+    "input_kind,steps_per_execution,steps_per_epoch,policy",
     [
-        ("numpy", 1, None),  # ragged last batch every epoch
-        ("dataset", 3, 5),  # steps_per_execution > 1, steps_per_epoch on a repeated dataset
+        ("numpy", 1, None, "float32"),  # ragged last batch every epoch
+        # steps_per_execution > 1, steps_per_epoch on a repeated dataset; mixed
+        # precision (compile wraps the optimizer in a LossScaleOptimizer)
+        ("dataset", 3, 5, "mixed_float16"),
     ],
 )
 def test_fit_evaluate_predict_match_mirrored(
-    K, strategy, input_kind, steps_per_execution, steps_per_epoch
+    K, strategy, input_kind, steps_per_execution, steps_per_epoch, policy
 ):
-    got = fit_evaluate_predict(K, strategy, input_kind, steps_per_execution, steps_per_epoch)
-    want = computed_on_rank0(
-        lambda: fit_evaluate_predict(
-            K, reference_strategy(), input_kind, steps_per_execution, steps_per_epoch
-        )
-    )
+    args = (input_kind, steps_per_execution, steps_per_epoch, policy)
+    got = fit_evaluate_predict(K, strategy, *args)
+    want = computed_on_rank0(lambda: fit_evaluate_predict(K, reference_strategy(), *args))
     history, evaluation, predictions, weights = got
     assert set(history) == set(want[0]) and "val_top2" in history
     for key in history:
