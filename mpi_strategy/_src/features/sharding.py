@@ -602,9 +602,10 @@ def tf_keras_build_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # tf_keras optimizers whose update_step is elementwise over a variable and its
-# slots, all made by add_variable_from_reference at a constant: Keras 3's
-# list but Ftrl (tf_keras's Ftrl is not sharded).
-TF_KERAS_SUPPORTED = tuple(name for name in SUPPORTED if name != "Ftrl")
+# slots, all made by add_variable_from_reference (at a constant, or, Ftrl's
+# accumulator, from a whole initial value, of which a slot of rows takes its
+# rows): Keras 3's list.
+TF_KERAS_SUPPORTED = SUPPORTED
 # ... of which these advance state outside the slots in update_step: Nadam's
 # product of its momentum schedule, _u_product (in tf.function, by a tf.cond
 # on a Python counter advanced as each variable's update is traced: its value
