@@ -460,15 +460,23 @@ def save_own_variables_wrapper(original: Callable[..., Any]) -> Callable[..., An
 
     @functools.wraps(original)
     def save_own_variables(self: Any, store: Any) -> Any:
-        if plan_of(self) is None:
+        if not _saved_sharded(self):
             return original(self, store)
-        if write_point.alone():
-            raise MPIStrategyError(_SAVED_ALONE)
         for i, variable in enumerate(self.variables):
             store[str(i)] = _whole(variable)
         return None
 
     return save_own_variables
+
+
+def _saved_sharded(optimizer: Any) -> bool:
+    """Whether a save of ``optimizer`` gathers its sharded slots (a collective:
+    raises on a rank saving alone)."""
+    if plan_of(optimizer) is None:
+        return False
+    if write_point.alone():
+        raise MPIStrategyError(_SAVED_ALONE)
+    return True
 
 
 _SAVED_ALONE = (
@@ -538,14 +546,13 @@ def set_weights_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 def save_h5_optimizer_weights_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """Keras' legacy ``.h5`` save of an optimizer's variables (Keras 3's and
     tf_keras's ``save_optimizer_weights_to_hdf5_group``): a sharded optimizer's
-    are written whole, each put together on every rank from the ranks that hold it."""
+    are written whole, each put together on every rank from the ranks that hold
+    it (all of them before the write: Keras' writer reads every weight first)."""
 
     @functools.wraps(original)
     def save_optimizer_weights(group: Any, optimizer: Any) -> Any:
-        if plan_of(optimizer) is None:
+        if not _saved_sharded(optimizer):
             return original(group, optimizer)
-        if write_point.alone():
-            raise MPIStrategyError(_SAVED_ALONE)
         return original(group, _WholeWeights(optimizer))
 
     return save_optimizer_weights
