@@ -42,6 +42,7 @@ from mpi_strategy._src.features.elastic import (
     recovery,
     regrowth as regrowth_lib,
     replacement,
+    sharded,
     state as state_lib,
     ulfm_exit,
 )
@@ -73,11 +74,12 @@ def run(
         raise ValueError(
             f"mpi_strategy.elastic.run: min_ranks must be an int >= 1, got {min_ranks!r}."
         )
-    if strategy.extended.shard:
+    if strategy.extended.shard and replace_lost:
         raise MPIStrategyError(
-            f"mpi_strategy.elastic.run: MPIStrategy(shard={strategy.extended.shard!r}) holds "
-            "each rank's share of the optimizer's state on that rank alone, which a lost rank "
-            "takes with it; elastic training needs MPIStrategy() without shard=."
+            f"mpi_strategy.elastic.run: replace_lost=True with MPIStrategy(shard="
+            f"{strategy.extended.shard!r}): a replacement would need its share of the "
+            "sharded optimizer's slots, which no rank sends it yet. Shrinking works: "
+            "leave replace_lost out, or use MPIStrategy() without shard=."
         )
     where = os.fspath(directory)
 
@@ -162,6 +164,7 @@ def _start(strategy: MPIStrategy, state: State, directory: str) -> bool:
     """Builds the optimizers' slots, then commits the state, or loads it from
     ``directory`` if an earlier launch saved it there; True if loaded."""
     _build_optimizers(strategy, state_lib.trackables_of(state))
+    sharded.check_supported(state_lib.trackables_of(state))
     if ulfm.ulfm_launch():
         ulfm_exit.end_without_finalize(lambda: strategy.extended.ordered_comm.comm)
     elif strategy.extended.comm.Get_size() > 1:
