@@ -21,7 +21,6 @@ from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.distribute.strategy import MPIStrategy
-from mpi_strategy._src.features import sharding
 from mpi_strategy._src.features.elastic import disk, sharded, state as state_lib, ulfm_exit
 from mpi_strategy._src.features.elastic.state import State
 
@@ -142,9 +141,12 @@ def _restore_sharded(strategy: MPIStrategy, state: State, number: int) -> None:
     if copies is None:
         return
     trackables = state_lib.trackables_of(state)
-    optimizers = [t for t in trackables if sharding.plan_of(t) is not None]
     sharded.restore(
-        strategy, optimizers, lambda: state_lib.variables_of(trackables), arrays, copies
+        strategy,
+        sharded.optimizers_of(trackables),
+        lambda: state_lib.variables_of(trackables),
+        arrays,
+        copies,
     )
     state_lib.roll_back_values(state, number)
 

@@ -66,9 +66,17 @@ class Copies:
 def check_supported(trackables: Sequence[Any]) -> None:
     """Raises (on every rank, before training) for a sharded optimizer whose
     slots ``restore`` cannot make again: tf_keras's."""
-    for optimizer in trackables:
-        if sharded_optimizers.plan_of(optimizer) is not None:
-            sharded_optimizers.check_rebuildable(optimizer)
+    for optimizer in optimizers_of(trackables):
+        sharded_optimizers.check_rebuildable(optimizer)
+
+
+def optimizers_of(trackables: Sequence[Any]) -> list[Any]:
+    """The sharded optimizers among ``trackables``."""
+    return [
+        t
+        for t in trackables
+        if hasattr(t, "iterations") and sharded_optimizers.plan_of(t) is not None
+    ]
 
 
 def held_elsewhere(variable: Any) -> bool:
