@@ -42,7 +42,6 @@ from mpi_strategy._src.features.elastic import (
     recovery,
     regrowth as regrowth_lib,
     replacement,
-    sharded,
     state as state_lib,
     ulfm_exit,
 )
@@ -164,7 +163,6 @@ def _start(strategy: MPIStrategy, state: State, directory: str) -> bool:
     """Builds the optimizers' slots, then commits the state, or loads it from
     ``directory`` if an earlier launch saved it there; True if loaded."""
     _build_optimizers(strategy, state_lib.trackables_of(state))
-    sharded.check_supported(state_lib.trackables_of(state))
     if ulfm.ulfm_launch():
         ulfm_exit.end_without_finalize(lambda: strategy.extended.ordered_comm.comm)
     elif strategy.extended.comm.Get_size() > 1:

@@ -64,7 +64,7 @@ class Copies:
 
 
 def check_supported(trackables: Sequence[Any]) -> None:
-    """Raises (on every rank, before training) for a sharded optimizer whose
+    """Raises (on every rank: at a commit) for a sharded optimizer whose
     slots ``restore`` cannot make again: tf_keras's."""
     for optimizer in optimizers_of(trackables):
         sharded_optimizers.check_rebuildable(optimizer)

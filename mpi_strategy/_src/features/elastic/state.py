@@ -51,6 +51,7 @@ class State:
         (with a sharded optimizer, a commit is collective: ``sharded.copy_to_buddy``)."""
         # Listed at every commit: optimizers create their slots at the first step.
         variables = variables_of(self._trackables)
+        sharded.check_supported(self._trackables)  # (on every rank, at the first commit)
         held = [v for v in variables if not sharded.held_elsewhere(v)]
         read = dict(zip(map(id, held), _read(held)))
         arrays = [read.get(id(v)) for v in variables]
