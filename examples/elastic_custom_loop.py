@@ -16,11 +16,13 @@ K = --steps: as the program exits), to try it. With fewer than ``--min-ranks``
 survivors the job ends with the last commit saved in ``--state-dir``; launched
 again, it resumes from there. With
 ``--replace-lost``, new processes are started for lost ranks and join at a
-commit: the job ends on as many ranks as it started with.
+commit: the job ends on as many ranks as it started with. ``--shard optimizer``
+(or ``gradients``) shards the optimizer's slots over the ranks (ZeRO).
 """
 
 import argparse
 import atexit
+import hashlib
 import json
 import os
 import signal
@@ -75,6 +77,7 @@ def main():
         action="store_true",
         help="start new processes for lost ranks: they join at a commit",
     )
+    parser.add_argument("--shard", choices=["optimizer", "gradients"], default=None)
     args = parser.parse_args()
     launched = not mpi_strategy.elastic.is_replacement()  # not started for a lost rank
     my_kill_steps = {
@@ -85,7 +88,7 @@ def main():
 
     if args.steps in my_kill_steps:  # as the program exits: the others are finishing
         atexit.register(lambda: (time.sleep(1), os.kill(os.getpid(), signal.SIGKILL)))
-    strategy = mpi_strategy.MPIStrategy()
+    strategy = mpi_strategy.MPIStrategy(shard=args.shard)
     ranks_at_start = strategy.extended.comm.Get_size()
     with strategy.scope():
         model = tf.keras.Sequential(
@@ -156,6 +159,7 @@ def main():
     train()
     # Every replica holds the same weights, whichever ranks joined or were lost.
     weights_sum = float(sum(np.sum(w) for w in model.get_weights()))
+    digest = hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights())).hexdigest()
     weights_sums = strategy.extended.comm.allgather(weights_sum)
     if strategy.extended.rank == 0:
         print(
@@ -168,6 +172,7 @@ def main():
                     "final_loss": state.loss,
                     "weights_sum": weights_sum,
                     "weights_sum_per_rank": weights_sums,
+                    "weights_sha256": digest,  # (to compare runs bit for bit)
                     "recoveries": recoveries,
                     "replacements": mpi_strategy.elastic.replacements,
                 }

@@ -28,6 +28,7 @@ from mpi_strategy._src.core.errors import RanksLostError, TooFewRanksError
 from mpi_strategy._src.core.ulfm import is_replacement
 from mpi_strategy._src.features.elastic.recovery import StaleCollectiveError, record as _record
 from mpi_strategy._src.features.elastic.run import KerasCallback, run
+from mpi_strategy._src.features.elastic.sharded import ShardLostError
 from mpi_strategy._src.features.elastic.state import State
 
 # This process's records (the same lists for its whole life).
@@ -42,6 +43,7 @@ __all__ = [
     "RanksLostError",
     "TooFewRanksError",
     "StaleCollectiveError",
+    "ShardLostError",
     "recoveries",
     "replacements",
 ]

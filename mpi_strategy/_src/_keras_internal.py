@@ -380,6 +380,12 @@ KERAS3_OPTIMIZER_BUILT_WITH = "_trainable_variables"
 # rows' variable in this dict of the optimizer (BaseOptimizer: variable key ->
 # position) for the update's duration, keyed by the optimizer's _var_key.
 KERAS3_OPTIMIZER_INDICES = "_trainable_variables_indices"
+# Elastic training of a sharded optimizer makes its slots again for the
+# survivors (features/sharding.rebuild_slots): the variables made before
+# BaseOptimizer.build (its __init__'s step count and learning rate, kept) and
+# the method that drops a variable from its list (and its tracker's ids).
+KERAS3_OPTIMIZER_AT_INIT = ("_iterations", "_learning_rate")
+KERAS3_OPTIMIZER_UNTRACK = "_untrack_variable"
 OVERRIDDEN_METHODS = (
     BATCH_NORM_MOMENTS,
     TF_KERAS_BATCH_NORM_MOMENTS,

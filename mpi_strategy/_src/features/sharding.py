@@ -281,6 +281,43 @@ def _slot(plan: Plan, index: int, reference: Any, make: Callable[[Any, Any], Any
     return slot
 
 
+def check_rebuildable(optimizer: Any) -> None:
+    """Raises for a sharded optimizer ``rebuild_slots`` does not rebuild (tf_keras's)."""
+    if not type(optimizer).__module__.startswith("keras."):
+        raise MPIStrategyError(
+            "mpi_strategy.elastic: elastic training of a sharded optimizer "
+            "(MPIStrategy(shard=...)) is done for Keras 3's optimizers, not "
+            f"{type(optimizer).__module__}.{type(optimizer).__name__}: use Keras 3's, "
+            "or MPIStrategy() without shard=."
+        )
+
+
+def rebuild_slots(optimizer: Any, strategy: MPIStrategy) -> None:
+    """Makes a sharded Keras 3 optimizer's slots anew for the ranks that
+    ``strategy`` spans now (elastic training, after lost ranks): the variables
+    its ``build`` made are dropped and it builds again, in the strategy's
+    scope, with the variables it was built with; each rank then holds its share
+    of the new partition (at their initial values: the caller sets them)."""
+    check_rebuildable(optimizer)
+    made_at_init = [getattr(optimizer, name) for name in _keras_internal.KERAS3_OPTIMIZER_AT_INIT]
+    kept = [v for v in made_at_init if isinstance(v, _keras().Variable)]
+    variables = optimizer.variables
+    if [id(v) for v in variables[: len(kept)]] != [id(v) for v in kept]:
+        raise MPIStrategyError(
+            f"mpi_strategy.elastic: {type(optimizer).__name__} has variables made before "
+            "its build other than its step count and learning rate: its slots cannot be made "
+            "again for the survivors."
+        )
+    untrack = getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_UNTRACK)
+    for variable in variables[len(kept) :]:
+        untrack(variable)
+    built_with = list(getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_BUILT_WITH))
+    optimizer.__dict__.pop(_PLAN, None)
+    optimizer.built = False
+    with strategy.scope():
+        optimizer.build(built_with)
+
+
 def _keras() -> Any:
     """Keras 3 (imported by the program already: these wrappers are installed once it is)."""
     return importlib.import_module("keras")
@@ -505,13 +542,13 @@ def load_own_variables_wrapper(original: Callable[..., Any]) -> Callable[..., An
         if plan_of(self) is None or len(store.keys()) != len(self.variables):
             return original(self, store)  # (Keras warns about a mismatch)
         for i, variable in enumerate(self.variables):
-            _set_held(variable, store[str(i)])
+            set_held(variable, store[str(i)])
         return None
 
     return load_own_variables
 
 
-def _set_held(variable: Any, whole: Any) -> None:
+def set_held(variable: Any, whole: Any) -> None:  # (also elastic training's)
     """Sets what this rank holds of an optimizer variable from its ``whole`` value."""
     held = sharding.held(variable)
     if held is None or held.whole_here:
@@ -537,7 +574,7 @@ def set_weights_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
                     f"Optimizer variable {_name(variable)} has shape {shape} not compatible "
                     f"with provided weight shape {tuple(np.shape(weight))}."
                 )
-            _set_held(variable, np.asarray(weight))
+            set_held(variable, np.asarray(weight))
         return None
 
     return set_weights

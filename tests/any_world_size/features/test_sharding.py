@@ -762,9 +762,23 @@ def test_shard_arguments_that_are_not_built_raise():
         mpi_strategy.MPIStrategy(devices=local_devices(), shard="everything")
 
 
-def test_elastic_training_of_a_sharded_strategy_raises(sharded, tmp_path):
-    with pytest.raises(MPIStrategyError, match="elastic training needs MPIStrategy"):
-        mpi_strategy.elastic.run(sharded, str(tmp_path))
+@partitioned
+def test_elastic_training_of_a_sharded_tf_keras_optimizer_raises_on_every_rank(sharded):
+    # Keras 3's are rebuilt for the survivors (tests/any_world_size/features/
+    # elastic/test_elastic_state.py); tf_keras's are refused at the first
+    # commit that holds their slots (they make them at their first step).
+    with sharded.scope():
+        model = _model(tf_keras)
+        optimizer = tf_keras.optimizers.Adam()
+
+    @mpi_strategy.elastic.run(sharded, mpi_strategy.elastic.State(model, optimizer))
+    def train(state):
+        with sharded.scope():
+            optimizer.build(model.trainable_variables)
+        state.commit()
+
+    with pytest.raises(MPIStrategyError, match="done for Keras 3's optimizers, not tf_keras"):
+        train()
 
 
 @partitioned

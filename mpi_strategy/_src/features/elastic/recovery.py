@@ -21,7 +21,7 @@ from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
 from mpi_strategy._src.distribute.strategy import MPIStrategy
-from mpi_strategy._src.features.elastic import disk, state as state_lib, ulfm_exit
+from mpi_strategy._src.features.elastic import disk, sharded, state as state_lib, ulfm_exit
 from mpi_strategy._src.features.elastic.state import State
 
 
@@ -99,6 +99,9 @@ def recover(
         survivors.Allreduce(MPI.IN_PLACE, number, op=MPI.MIN)  # raw buffers: nothing unpickled
         times["shrink_s"] = time.monotonic() - started
         continue_on(strategy, state, survivors)
+        # Collective (and so repeated if a rank dies meanwhile): a sharded
+        # optimizer's slots, put together from the survivors.
+        _restore_sharded(strategy, state, int(number[0]))
         return int(number[0])
 
     survivors, commit = retire_and_shrink(
@@ -106,7 +109,8 @@ def recover(
     )
     size = survivors.Get_size()
     times["rebuild_s"] = time.monotonic() - started - times["shrink_s"]
-    state.restore(commit)
+    if state_lib.commit_of(state, commit)[3] is None:  # (else restored already)
+        state.restore(commit)
     times["rollback_s"] = time.monotonic() - started - times["shrink_s"] - times["rebuild_s"]
     if size < min_ranks:
         disk.save(strategy, state, directory)
@@ -128,6 +132,23 @@ def recover(
         times["rebuild_s"],
         times["rollback_s"],
     )
+
+
+def _restore_sharded(strategy: MPIStrategy, state: State, number: int) -> None:
+    """If commit ``number`` holds a sharded optimizer's slots, restores it on the
+    survivors (``sharded.restore``; the rebuild's time includes it)."""
+    _, (_, arrays), _, copies = state_lib.commit_of(state, number)
+    if copies is None:
+        return
+    trackables = state_lib.trackables_of(state)
+    sharded.restore(
+        strategy,
+        sharded.optimizers_of(trackables),
+        lambda: state_lib.variables_of(trackables),
+        arrays,
+        copies,
+    )
+    state_lib.roll_back_values(state, number)
 
 
 def retire_and_shrink(

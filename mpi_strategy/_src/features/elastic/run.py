@@ -73,11 +73,12 @@ def run(
         raise ValueError(
             f"mpi_strategy.elastic.run: min_ranks must be an int >= 1, got {min_ranks!r}."
         )
-    if strategy.extended.shard:
+    if strategy.extended.shard and replace_lost:
         raise MPIStrategyError(
-            f"mpi_strategy.elastic.run: MPIStrategy(shard={strategy.extended.shard!r}) holds "
-            "each rank's share of the optimizer's state on that rank alone, which a lost rank "
-            "takes with it; elastic training needs MPIStrategy() without shard=."
+            f"mpi_strategy.elastic.run: replace_lost=True with MPIStrategy(shard="
+            f"{strategy.extended.shard!r}): a replacement would need its share of the "
+            "sharded optimizer's slots, which no rank sends it yet. Shrinking works: "
+            "leave replace_lost out, or use MPIStrategy() without shard=."
         )
     where = os.fspath(directory)
 

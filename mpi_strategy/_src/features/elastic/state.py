@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.process import PROCESS
+from mpi_strategy._src.features.elastic import sharded
 
 _COMMITS_KEPT = 2  # a rank may have committed once more than a survivor that was cut short
 # (number, values, arrays): a commit as sent to a replacement
@@ -22,13 +23,17 @@ class State:
     ``tf.Variable``s) and named Python values (``state.step``, ``state.epoch``).
 
     ``commit()`` copies them, in memory, on every rank (no communication: they
-    are the same on every rank). The values are attributes: ``state.step += 1``.
+    are the same on every rank; but the slots of a sharded optimizer,
+    ``MPIStrategy(shard=...)``, differ: each rank also keeps a copy of its
+    neighbour's, ``sharded.py``). The values are attributes: ``state.step += 1``.
     """
 
     def __init__(self, *trackables: Any, **values: Any) -> None:
         object.__setattr__(self, "_trackables", trackables)
         object.__setattr__(self, "_values", dict(values))
-        object.__setattr__(self, "_commits", [])  # (number, variables, values), newest last
+        # (number, (variables, arrays), values, sharded.Copies or None), newest last; the
+        # array of a sharded slot this rank holds none of is None
+        object.__setattr__(self, "_commits", [])
         object.__setattr__(self, "_number", 0)
         object.__setattr__(self, "_on_commit", None)  # run()'s replacements join here
 
@@ -42,11 +47,17 @@ class State:
         self._values[name] = value
 
     def commit(self) -> None:
-        """Copies the variables and values; every rank must commit at the same steps."""
-        object.__setattr__(self, "_number", self._number + 1)
+        """Copies the variables and values; every rank must commit at the same steps
+        (with a sharded optimizer, a commit is collective: ``sharded.copy_to_buddy``)."""
         # Listed at every commit: optimizers create their slots at the first step.
         variables = variables_of(self._trackables)
-        self._commits.append((self._number, (variables, _read(variables)), dict(self._values)))
+        sharded.check_supported(self._trackables)  # (on every rank, at the first commit)
+        held = [v for v in variables if not sharded.held_elsewhere(v)]
+        read = dict(zip(map(id, held), _read(held)))
+        arrays = [read.get(id(v)) for v in variables]
+        copies = sharded.copy_to_buddy(variables, arrays)
+        object.__setattr__(self, "_number", self._number + 1)
+        self._commits.append((self._number, (variables, arrays), dict(self._values), copies))
         del self._commits[:-_COMMITS_KEPT]
         if self._on_commit is not None:
             self._on_commit()
@@ -57,23 +68,40 @@ class State:
         return self._commits[-1][0] if self._commits else 0
 
     def restore(self, number: int | None = None) -> None:
-        """Sets the variables and values back to commit ``number`` (default: the newest)."""
-        matching = [c for c in self._commits if number is None or c[0] == number]
-        if not matching:
-            raise MPIStrategyError(
-                f"mpi_strategy.elastic: commit #{number} is not held here (held: "
-                f"{[c[0] for c in self._commits]})."
-            )
-        number, (variables, arrays), values = matching[-1]
+        """Sets the variables and values back to commit ``number`` (default: the
+        newest), on a rank of the world that made it (after a recovery, ``run``
+        puts a sharded optimizer's slots together: ``sharded.restore``)."""
+        _, (variables, arrays), _, _ = commit_of(self, number)
         for variable, value in zip(variables, arrays):
-            variable.assign(value)
-        self._values.clear()
-        self._values.update(values)
-        object.__setattr__(self, "_number", number)
-        del self._commits[[c[0] for c in self._commits].index(number) + 1 :]
+            if value is not None:  # (a sharded slot another rank holds)
+                variable.assign(value)
+        roll_back_values(self, number)
 
 
 # -- what the rest of elastic training reads and sets (named, not reached into) --
+Commit = tuple[int, tuple[list[Any], list[Any]], dict[str, Any], Any]
+
+
+def commit_of(state: State, number: int | None) -> Commit:
+    """Commit ``number`` (None: the newest); raises if this rank holds none of that number."""
+    matching = [c for c in state._commits if number is None or c[0] == number]
+    if not matching:
+        raise MPIStrategyError(
+            f"mpi_strategy.elastic: commit #{number} is not held here (held: "
+            f"{[c[0] for c in state._commits]})."
+        )
+    return matching[-1]
+
+
+def roll_back_values(state: State, number: int | None) -> None:
+    """Sets the values back to commit ``number``'s and drops the commits after it."""
+    number, _, values, _ = commit_of(state, number)
+    state._values.clear()
+    state._values.update(values)
+    object.__setattr__(state, "_number", number)
+    del state._commits[[c[0] for c in state._commits].index(number) + 1 :]
+
+
 def trackables_of(state: State) -> tuple[Any, ...]:
     """The models, optimizers and variables ``state`` was built with."""
     return state._trackables
@@ -99,7 +127,7 @@ def resume(state: State, values: dict[str, Any], number: int) -> None:
 
 def newest(state: State) -> Newest:
     """(number, values, arrays) of the newest commit, to send to a replacement."""
-    number, (_, tensors), values = state._commits[-1]
+    number, (_, tensors), values, _ = state._commits[-1]
     return number, values, [t.numpy() for t in tensors]
 
 

@@ -9,8 +9,10 @@ import tensorflow as tf
 
 import mpi_strategy
 from mpi_strategy._src.features.elastic import recovery
+from mpi_strategy._src.features.elastic.sharded import lost_shares
+from mpi_strategy._src.features.sharding import _whole
 from mpi_strategy.errors import RanksLostError
-from mpi_testing import SIZE, mpi_strategy_under_test
+from mpi_testing import SIZE, local_devices, mpi_strategy_under_test
 
 
 def _model_and_optimizer(strategy):
@@ -20,10 +22,10 @@ def _model_and_optimizer(strategy):
     return model, optimizer
 
 
-def _step(strategy, model, optimizer):
+def _step(strategy, model, optimizer, features=3):
     def replica_step():
         with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(model(tf.ones([2, 3])) ** 2)
+            loss = tf.reduce_sum(model(tf.ones([2, features])) ** 2)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
@@ -108,3 +110,52 @@ def test_run_recovers_from_a_rank_lost_on_another_communicator_inside_a_tf_funct
     assert len(recovery.record().recoveries) == recoveries + 1
     assert strategy.extended.ordered_comm.size == SIZE
     _step(strategy, model, optimizer)  # on the survivors' communicator
+
+
+def test_run_recovers_a_sharded_optimizers_slots_from_the_commit(monkeypatch):
+    """MPIStrategy(shard="optimizer"): the recovery makes the optimizer's slots
+    again for the survivors and sets each from the commit, put together from
+    the ranks that hold its pieces. No rank dies here (that needs ULFM:
+    tests/launchers/features/elastic/test_elastic.py loses one): every rank
+    survives, on a duplicate of the communicator."""
+    monkeypatch.setattr(recovery.ulfm, "shrink", lambda comm: comm.Dup())
+    strategy = mpi_strategy.MPIStrategy(shard="optimizer", devices=local_devices())
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((20,)), tf.keras.layers.Dense(32)])
+        optimizer = tf.keras.optimizers.Adam(0.1)
+    state = mpi_strategy.elastic.State(model, optimizer)
+    committed = []
+
+    def whole_state():
+        return [v.numpy() for v in model.variables] + [_whole(v) for v in optimizer.variables]
+
+    @mpi_strategy.elastic.run(strategy, state)
+    def train(state):
+        if not committed:
+            _step(strategy, model, optimizer, features=20)
+            state.commit()
+            committed.extend(whole_state())
+            _step(strategy, model, optimizer, features=20)  # not committed: rolled back
+            raise RanksLostError("simulated: a rank died")
+        return "done"
+
+    assert train() == "done" and strategy.extended.ordered_comm.size == SIZE
+    for got, want in zip(whole_state(), committed, strict=True):
+        np.testing.assert_array_equal(got, want)
+    _step(strategy, model, optimizer, features=20)  # the new slots, on the new communicator
+
+
+def test_a_lost_share_is_one_lost_with_its_copy_on_the_next_rank():
+    # Rank r's slots are on r and r + 1 (mod the size).
+    assert lost_shares(4, [0, 2]) == []  # 1 and 3 lost: their copies on 2 and 0
+    assert lost_shares(4, [0, 1]) == [2]  # 2 and 3 lost: 3's copy is on 0
+    assert lost_shares(3, [1]) == [2]  # 0 and 2 lost: 0's copy is on 1
+    assert lost_shares(2, [0]) == []
+
+
+def test_run_refuses_replacements_for_a_sharded_optimizer():
+    strategy = mpi_strategy.MPIStrategy(shard="optimizer", devices=local_devices())
+    model, optimizer = _model_and_optimizer(strategy)
+    state = mpi_strategy.elastic.State(model, optimizer)
+    with pytest.raises(mpi_strategy.MPIStrategyError, match="replace_lost=True with MPIStrategy"):
+        mpi_strategy.elastic.run(strategy, state, replace_lost=True)
