@@ -41,10 +41,8 @@ makes no slot (SGD without momentum) is not sharded (all-reduced as usual).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
-import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -292,25 +290,18 @@ def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callabl
     def add_variable_from_reference(
         self: Any, reference_variable: Any, name: Any = None, initializer: Any = "zeros"
     ) -> Any:
-        with _from_reference():  # (the add_variable it calls makes no factored moment)
+        object.__setattr__(self, _FROM_REFERENCE, True)  # (not a tracked attribute)
+        try:
             return make(self, reference_variable, name, initializer)
+        finally:
+            object.__setattr__(self, _FROM_REFERENCE, False)
 
     return add_variable_from_reference
 
 
-# _from_reference: set in this thread while Keras 3's add_variable_from_reference
-# makes a slot (by add_variable: not a factored moment).
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def _from_reference() -> Any:
-    previous = getattr(_local, "from_reference", False)
-    _local.from_reference = True
-    try:
-        yield
-    finally:
-        _local.from_reference = previous
+# Set on a Keras 3 optimizer while its add_variable_from_reference makes a slot
+# (by add_variable: not a factored moment).
+_FROM_REFERENCE = "_mpi_strategy_from_reference"
 
 
 def add_variable_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -323,13 +314,15 @@ def add_variable_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def add_variable(self: Any, shape: Any = None, *args: Any, **kwargs: Any) -> Any:
         plan = None
-        if type(self).__name__ in WHOLE_VARIABLES and not getattr(_local, "from_reference", False):
+        if type(self).__name__ in WHOLE_VARIABLES and not self.__dict__.get(_FROM_REFERENCE):
             plan = plan_of(self, create=type(self).__module__.startswith("keras."))
         if plan is None or not plan.factored:
             return original(self, shape, *args, **kwargs)
-        index, expected = plan.factored.popleft()
-        if tuple(int(d) for d in shape) != expected:
-            raise MPIStrategyError(_unexpected_build(self, f"a variable of shape {tuple(shape)}"))
+        index, expected = plan.factored[0]
+        made = tuple(int(d) for d in (() if shape is None else shape))
+        if made != expected:
+            raise MPIStrategyError(_unexpected_build(self, plan, f"a variable of shape {made}"))
+        plan.factored.popleft()
         make = lambda *_: original(self, shape, *args, **kwargs)  # noqa: E731
         return _slot(plan, index, None, make, shape=expected)
 
@@ -340,13 +333,13 @@ def _check_factored_made(optimizer: Any, plan: Plan, index: int) -> None:
     """Raises if a factored moment of a variable up to ``index`` is not made
     yet, as the slot of variable ``index`` is (Adafactor makes them first)."""
     if plan.factored and plan.factored[0][0] <= index:
-        raise MPIStrategyError(_unexpected_build(optimizer, "a slot"))
+        raise MPIStrategyError(_unexpected_build(optimizer, plan, "a slot"))
 
 
-def _unexpected_build(optimizer: Any, made: str) -> str:
+def _unexpected_build(optimizer: Any, plan: Plan, made: str) -> str:
     """The error of a build of ``WHOLE_VARIABLES`` that does not make its
     factored moments as ``_factored_moments`` expects (on every rank)."""
-    index, shape = optimizer.__dict__[_PLAN].factored[0]
+    index, shape = plan.factored[0]
     return (
         f"mpi_strategy: {type(optimizer).__name__}'s build made {made} where "
         f"MPIStrategy(shard=...) expected the factored moment of shape {shape} of "
