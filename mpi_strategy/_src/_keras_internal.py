@@ -375,6 +375,10 @@ TF_KERAS_SHARDED_UPDATE = (
 # ... and, as Keras 3's, enters a shadow in this dict (variable key -> position).
 TF_KERAS_OPTIMIZER_INDICES = "_index_dict"
 KERAS3_OPTIMIZER_BUILT_WITH = "_trainable_variables"
+# Both Kerases' Adafactor.build makes, for each variable of rank >= 2, its
+# factored moments (r, then c) by the public add_variable, before that
+# variable's slot: features/sharding._factored_moments expects this order
+# (checked as they are made: another raises on every rank).
 # ... and, to update the rows of a variable a rank holds in part, has the
 # optimizer's own update_step look up the slots of those rows: it enters the
 # rows' variable in this dict of the optimizer (BaseOptimizer: variable key ->

@@ -91,15 +91,15 @@ EFFECTS = (
     ),
     Effect(
         "Keras 3 `TFOptimizer.add_variable_from_reference`, `_backend_update_step`; "
-        "`BaseOptimizer.save_own_variables`, `load_own_variables`, `set_weights` "
+        "`BaseOptimizer.save_own_variables`, `load_own_variables`, `set_weights`, `add_variable` "
         "(`_keras_internal.KERAS3_SHARDED_UPDATE`); both Kerases' legacy `.h5` "
         "`save_optimizer_weights_to_hdf5_group` (`_keras_internal.H5_OPTIMIZER_WEIGHTS`)",
         "each rank keeps the slots of its share of the variables (and, sharding gradients, "
         "receives the sum of their gradients only), updates those and "
         "gathers the others; Keras saves (`.h5` too) stream each slot from its owner, "
-        "loads set what each rank holds; tf_keras's "
-        "`_BaseOptimizer.build`, `_update_step`, `save_own_variables`, `load_own_variables`, "
-        "`set_weights`, "
+        "loads set what each rank holds; Adafactor's factored moments are made as slots; "
+        "tf_keras's `_BaseOptimizer.build`, `_update_step`, `save_own_variables`, "
+        "`load_own_variables`, `set_weights`, `add_variable`, "
         "`Optimizer.add_variable_from_reference`, "
         "`_distributed_apply_gradients_fn` (`_keras_internal.TF_KERAS_SHARDED_UPDATE`) "
         "the same for tf_keras's optimizers, and (sharding gradients) its "
@@ -328,6 +328,7 @@ _SHARDING_WRAPPERS = (
         sharding.load_own_variables_wrapper,
     ),
     (_keras_internal.KERAS3_BASE_OPTIMIZER, "set_weights", sharding.set_weights_wrapper),
+    (_keras_internal.KERAS3_BASE_OPTIMIZER, "add_variable", sharding.add_variable_wrapper),
     (
         _keras_internal.H5_OPTIMIZER_WEIGHTS["keras"],
         _keras_internal.H5_SAVE_OPTIMIZER_WEIGHTS,
@@ -362,6 +363,7 @@ _TF_KERAS_SHARDING_WRAPPERS = (
     (_keras_internal.TF_KERAS_OPTIMIZER, "save_own_variables", sharding.save_own_variables_wrapper),
     (_keras_internal.TF_KERAS_OPTIMIZER, "load_own_variables", sharding.load_own_variables_wrapper),
     (_keras_internal.TF_KERAS_OPTIMIZER, "set_weights", sharding.set_weights_wrapper),
+    (_keras_internal.TF_KERAS_OPTIMIZER, "add_variable", sharding.add_variable_wrapper),
     (
         _keras_internal.H5_OPTIMIZER_WEIGHTS["tf_keras"],
         _keras_internal.H5_SAVE_OPTIMIZER_WEIGHTS,

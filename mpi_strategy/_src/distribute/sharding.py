@@ -11,6 +11,7 @@ share's rows only (``scatter_pieces``). The pieces:
 
 * ``partition``: which rank holds which rows of which variable, in equal
   bytes, the same on every rank (the variables come in the same order);
+  ``partition_whole`` the same with every variable whole;
 * ``SlotPlaceholder``: what stands for a slot this rank holds none of (no
   data; a sharded save records it and writes nothing for it, a SavedModel
   records its whole shape, restores skip it, reads raise), and
@@ -98,6 +99,21 @@ def partition(units: Sequence[tuple[int, int]], size: int) -> list[tuple[Piece, 
 
 
 _CUT_BYTES = 64  # the widest SIMD register (AVX-512), and TensorFlow's buffer alignment
+
+
+def partition_whole(units: Sequence[tuple[int, int]], size: int) -> list[tuple[Piece, ...]]:
+    """As ``partition``, with no unit cut (for an update that reads a whole
+    variable): each unit is held whole by the rank in whose run of total/size
+    bytes its middle byte falls, so no rank holds more than total/size + the
+    largest unit (half of one at each end of its run)."""
+    total = sum(rows * per_row for rows, per_row in units) or 1
+    pieces: list[tuple[Piece, ...]] = []
+    offset = 0
+    for rows, per_row in units:
+        middle_twice = 2 * offset + rows * per_row  # (in half bytes: exact)
+        pieces.append((Piece(min(size - 1, middle_twice * size // (2 * total)), 0, rows),))
+        offset += rows * per_row
+    return pieces
 
 
 def check_same_partition(ordered: OrderedComm, pieces: Sequence[tuple[Piece, ...]]) -> None:

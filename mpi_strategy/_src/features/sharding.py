@@ -9,6 +9,9 @@ and, through the methods wrapped here (``effects.py`` installs them):
   moments, ...) on the rank that owns it, and a ``SlotPlaceholder`` (no data)
   on the others; the EMA copies and gradient accumulators stay whole (every
   rank updates those for every variable: ``_REPLICATED_SLOTS``);
+* ``add_variable``: makes Adafactor's factored moments of a variable (its
+  row and column means) as its slots, on the rank that holds the variable
+  (held whole: ``WHOLE_VARIABLES``);
 * ``_backend_update_step`` (where Keras 3 sums the gradients over the replicas
   and updates the variables): sums them as before (stage 2: only this rank's
   share of them, by a reduce-scatter), updates only this rank's variables,
@@ -23,7 +26,8 @@ all-gather: ``_BaseOptimizer.build`` makes the plan,
 ``Optimizer._distributed_apply_gradients_fn`` (given the gradients tf_keras
 summed and clipped) updates this rank's share, gathers the rest, then runs the
 original for its EMA and step count, with ``_update_step`` a no-op; its
-``save_own_variables`` / ``load_own_variables`` are wrapped as Keras 3's.
+``add_variable``, ``save_own_variables`` / ``load_own_variables`` are wrapped
+as Keras 3's.
 Stage 2: ``Optimizer.aggregate_gradients`` reduce-scatters instead of
 summing, ``_clip_gradients`` lets the shares pass, and the step clips them
 (``_clip_shares``: the norms summed over the ranks) before it updates.
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +86,9 @@ class Plan:
     # Nadam): a variable of no rows for each variable this rank holds none of,
     # which its update runs on (``_update_held``), in the order of the step.
     ghosts: dict[int, Any]
+    # For an optimizer of WHOLE_VARIABLES: the (position, shape) of each
+    # factored moment its build is yet to make by add_variable, in order.
+    factored: deque[tuple[int, tuple[int, ...]]]
 
     def index(self, variable: Any) -> int | None:
         """The variable's position in the list the optimizer was built with."""
@@ -130,7 +138,9 @@ def _make_plan(
     """The partition of ``variables`` (the same on every rank) and this
     rank's shadows (and, ``with_ghosts``, ghosts), set on the optimizer."""
     ordered = strategy.extended.ordered_comm
-    pieces = tuple(sharding.partition([_rows_and_bytes(v) for v in variables], ordered.size))
+    whole = type(optimizer).__name__ in WHOLE_VARIABLES
+    cut = sharding.partition_whole if whole else sharding.partition
+    pieces = tuple(cut([_rows_and_bytes(v) for v in variables], ordered.size))
     sharding.check_same_partition(ordered, pieces)
     shadows = {
         i: _shadow(strategy, v, piece, kind.make)
@@ -144,7 +154,8 @@ def _make_plan(
         if with_ghosts and all(piece.rank != ordered.rank for piece in cut)
     }
     by_id = {id(v): i for i, v in enumerate(variables)}
-    plan = Plan(ordered, by_id, pieces, shadows, kind.positions, ghosts)
+    factored = deque(_factored_moments(variables) if whole else ())
+    plan = Plan(ordered, by_id, pieces, shadows, kind.positions, ghosts, factored)
     object.__setattr__(optimizer, _PLAN, plan)  # (not a tracked attribute)
     return plan
 
@@ -168,9 +179,10 @@ def _sharding_strategy(strategy: Any) -> MPIStrategy | None:
 def _check_supported(optimizer: Any) -> None:
     """Raises (on every rank: at its first slot) for an optimizer this does not
     shard: one whose update of a variable is not elementwise (its rows could
-    not be updated apart: Lamb's trust ratio, Muon), or that keeps state
-    outside its slots (Adafactor's factored moments; ScheduleFreeAdamW sets its
-    slots from the weights), or a class of its own (which may do either)."""
+    not be updated apart: Lamb's trust ratio, Muon) and not in
+    ``WHOLE_VARIABLES``, or that keeps state outside its slots
+    (ScheduleFreeAdamW sets its slots from the weights), or a class of its own
+    (which may do either)."""
     for method in _keras_internal.KERAS3_SHARDED_UPDATE:
         _keras_internal.check_overridden(method)
     kind = type(optimizer)
@@ -182,8 +194,9 @@ def _check_supported(optimizer: Any) -> None:
         )
 
 
-# Keras 3 optimizers whose update_step is elementwise over a variable and its
-# slots, all made by add_variable_from_reference with a constant initializer.
+# Keras 3 optimizers it shards: those whose update_step is elementwise over a
+# variable and its slots, all made by add_variable_from_reference with a
+# constant initializer, and WHOLE_VARIABLES.
 SUPPORTED = (
     "SGD",
     "Adam",
@@ -195,7 +208,28 @@ SUPPORTED = (
     "Nadam",
     "Lion",
     "Ftrl",
+    "Adafactor",
 )
+# ... of which these read a whole variable in its update (Adafactor: the RMS
+# of the variable and of its update, and, for a variable of rank >= 2, the
+# mean over its rows and over its columns of the squared gradient, kept in
+# two slots made by add_variable in build: _factored_moments). Their
+# variables are never cut (``partition_whole``): each rank runs the update
+# of whole variables, its slots all made on it.
+WHOLE_VARIABLES = ("Adafactor",)
+
+
+def _factored_moments(variables: Sequence[Any]) -> list[tuple[int, tuple[int, ...]]]:
+    """The (position, shape) of each factored moment Adafactor's build makes by
+    ``add_variable``, in its order: of each variable of rank >= 2 (but one
+    Keras 3 overwrites with its gradient), its rows' mean (the shape but the
+    last axis) then its columns' (the shape but the second last)."""
+    moments = []
+    for i, variable in enumerate(variables):
+        shape = tuple(int(d) for d in variable.shape)
+        if len(shape) >= 2 and not getattr(variable, "overwrite_with_gradient", False):
+            moments += [(i, shape[:-1]), (i, shape[:-2] + shape[-1:])]
+    return moments
 
 
 def _rows_and_bytes(variable: Any) -> tuple[int, int]:
@@ -236,10 +270,7 @@ def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callabl
     the rank that holds all of ``reference_variable``, the slot of its rows on
     a rank that holds some, a placeholder on the others."""
 
-    @functools.wraps(original)
-    def add_variable_from_reference(
-        self: Any, reference_variable: Any, name: Any = None, initializer: Any = "zeros"
-    ) -> Any:
+    def make(self: Any, reference_variable: Any, name: Any, initializer: Any) -> Any:
         if name in _REPLICATED_SLOTS:
             return original(self, reference_variable, name=name, initializer=initializer)
         plan = plan_of(self, create=True)
@@ -247,6 +278,7 @@ def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callabl
         if plan is None or index is None:
             return original(self, reference_variable, name=name, initializer=initializer)
         _check_constant(self, name, initializer)
+        _check_factored_made(self, plan, index)
         return _slot(
             plan,
             index,
@@ -254,18 +286,85 @@ def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callabl
             lambda rows, _: original(self, rows, name=name, initializer=initializer),
         )
 
+    @functools.wraps(original)
+    def add_variable_from_reference(
+        self: Any, reference_variable: Any, name: Any = None, initializer: Any = "zeros"
+    ) -> Any:
+        object.__setattr__(self, _FROM_REFERENCE, True)  # (not a tracked attribute)
+        try:
+            return make(self, reference_variable, name, initializer)
+        finally:
+            object.__setattr__(self, _FROM_REFERENCE, False)
+
     return add_variable_from_reference
 
 
-def _slot(plan: Plan, index: int, reference: Any, make: Callable[[Any, Any], Any]) -> Any:
+# Set on a Keras 3 optimizer while its add_variable_from_reference makes a slot
+# (by add_variable: not a factored moment).
+_FROM_REFERENCE = "_mpi_strategy_from_reference"
+
+
+def add_variable_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``add_variable`` of Keras 3's and tf_keras's optimizers: in the build of
+    a sharded optimizer of ``WHOLE_VARIABLES`` (Adafactor), each factored
+    moment (``_factored_moments``, in order) is made as a slot of its variable
+    (on the rank that holds the variable, a placeholder on the others); any
+    other variable as Keras makes it."""
+
+    @functools.wraps(original)
+    def add_variable(self: Any, shape: Any = None, *args: Any, **kwargs: Any) -> Any:
+        plan = None
+        if type(self).__name__ in WHOLE_VARIABLES and not self.__dict__.get(_FROM_REFERENCE):
+            plan = plan_of(self, create=type(self).__module__.startswith("keras."))
+        if plan is None or not plan.factored:
+            return original(self, shape, *args, **kwargs)
+        index, expected = plan.factored[0]
+        made = tuple(int(d) for d in (() if shape is None else shape))
+        if made != expected:
+            raise MPIStrategyError(_unexpected_build(self, plan, f"a variable of shape {made}"))
+        plan.factored.popleft()
+        make = lambda *_: original(self, shape, *args, **kwargs)  # noqa: E731
+        return _slot(plan, index, None, make, shape=expected)
+
+    return add_variable
+
+
+def _check_factored_made(optimizer: Any, plan: Plan, index: int) -> None:
+    """Raises if a factored moment of a variable up to ``index`` is not made
+    yet, as the slot of variable ``index`` is (Adafactor makes them first)."""
+    if plan.factored and plan.factored[0][0] <= index:
+        raise MPIStrategyError(_unexpected_build(optimizer, plan, "a slot"))
+
+
+def _unexpected_build(optimizer: Any, plan: Plan, made: str) -> str:
+    """The error of a build of ``WHOLE_VARIABLES`` that does not make its
+    factored moments as ``_factored_moments`` expects (on every rank)."""
+    index, shape = plan.factored[0]
+    return (
+        f"mpi_strategy: {type(optimizer).__name__}'s build made {made} where "
+        f"MPIStrategy(shard=...) expected the factored moment of shape {shape} of "
+        f"variable {index}: this Keras builds it otherwise than Keras 3.15 and "
+        "tf_keras 2.21. Use MPIStrategy() without shard=."
+    )
+
+
+def _slot(
+    plan: Plan,
+    index: int,
+    reference: Any,
+    make: Callable[[Any, Any], Any],
+    shape: Any = None,
+) -> Any:
     """The slot of variable ``index`` (``reference``) as this rank holds it:
     ``make(variable, piece)`` makes it of ``reference`` (``piece`` None) on the
     rank that holds all of it, of the rows' shadow (``piece``: the rows) on a
-    rank that holds some, a placeholder (no data) on the others."""
-    held = sharding.Held(plan.pieces[index], plan.ordered, reference.shape)
+    rank that holds some, a placeholder (no data) on the others. ``shape``: the
+    slot's, where it is not the variable's (a factored moment; held whole)."""
+    shape = reference.shape if shape is None else shape
+    held = sharding.Held(plan.pieces[index], plan.ordered, shape)
     here = held.here
     if here is None:
-        creator = sharding.placeholder_creator(reference.shape, held.ranks())
+        creator = sharding.placeholder_creator(shape, held.ranks())
         with tf.variable_creator_scope(creator):
             slot = make(reference, None)
     elif held.whole_here:
@@ -648,7 +747,7 @@ def tf_keras_build_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 # tf_keras optimizers whose update_step is elementwise over a variable and its
 # slots, all made by add_variable_from_reference (at a constant, or, Ftrl's
 # accumulator, from a whole initial value, of which a slot of rows takes its
-# rows): Keras 3's list.
+# rows), and WHOLE_VARIABLES: Keras 3's list.
 TF_KERAS_SUPPORTED = SUPPORTED
 # ... of which these advance state outside the slots in update_step: Nadam's
 # product of its momentum schedule, _u_product (in tf.function, by a tf.cond
@@ -709,6 +808,7 @@ def tf_keras_add_variable_from_reference_wrapper(
         index = plan.index(model_variable) if plan else None
         if plan is None or index is None or variable_name in _REPLICATED_SLOTS:
             return original(self, model_variable, variable_name, shape, initial_value)
+        _check_factored_made(self, plan, index)
 
         def make(rows: Any, piece: sharding.Piece | None) -> Any:
             start = initial_value
