@@ -540,16 +540,16 @@ def test_a_sharded_checkpoint_holds_the_unsharded_bytes_and_restores_either_way(
     ] + ["ckpt-1.index"]
     # Training on from either checkpoint, sharded or not, as without any checkpoint.
     # (restored before the first step makes the slots, and after)
+    restores = [
+        (saved, strategy, 0),
+        *itertools.product((saved, plain), (sharded,), (0, 1)),
+        *([(saved, scattered, 1)] if k is keras else []),  # (tf_keras: CI time)
+    ]
+    if LOCAL_DEVICES > 1:  # (devices change a rank's sums, not what it saves or
+        # restores: the 3-rank launch runs them all; here, one each way)
+        restores = [(saved, sharded, 1), (plain, sharded, 0), *restores[5:]]
     _assert_trains_on_alike(
-        strategy,
-        optimizers,
-        k,
-        [
-            (saved, strategy, 0),
-            *itertools.product((saved, plain), (sharded,), (0, 1)),
-            *([(saved, scattered, 1)] if k is keras else []),  # (tf_keras: CI time)
-        ],
-        exact_on=lambda on: on is not scattered or SUMS_ALIKE,
+        strategy, optimizers, k, restores, exact_on=lambda on: on is not scattered or SUMS_ALIKE
     )
 
 
