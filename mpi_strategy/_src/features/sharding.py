@@ -11,7 +11,7 @@ and, through the methods wrapped here (``effects.py`` installs them):
   rank updates those for every variable: ``_REPLICATED_SLOTS``);
 * ``add_variable``: makes Adafactor's factored moments of a variable (its
   row and column means) as its slots, on the rank that holds the variable
-  (held whole: ``WHOLE_VARIABLES``);
+  (held whole: ``NEVER_CUT``);
 * ``_backend_update_step`` (where Keras 3 sums the gradients over the replicas
   and updates the variables): sums them as before (stage 2: only this rank's
   share of them, by a reduce-scatter), updates only this rank's variables,
@@ -86,7 +86,7 @@ class Plan:
     # Nadam): a variable of no rows for each variable this rank holds none of,
     # which its update runs on (``_update_held``), in the order of the step.
     ghosts: dict[int, Any]
-    # For an optimizer of WHOLE_VARIABLES: the (position, shape) of each
+    # For an optimizer of FACTORED_MOMENTS: the (position, shape) of each
     # factored moment its build is yet to make by add_variable, in order.
     factored: deque[tuple[int, tuple[int, ...]]]
 
@@ -138,8 +138,8 @@ def _make_plan(
     """The partition of ``variables`` (the same on every rank) and this
     rank's shadows (and, ``with_ghosts``, ghosts), set on the optimizer."""
     ordered = strategy.extended.ordered_comm
-    whole = type(optimizer).__name__ in WHOLE_VARIABLES
-    cut = sharding.partition_whole if whole else sharding.partition
+    name = type(optimizer).__name__
+    cut = sharding.partition_whole if name in NEVER_CUT else sharding.partition
     pieces = tuple(cut([_rows_and_bytes(v) for v in variables], ordered.size))
     sharding.check_same_partition(ordered, pieces)
     shadows = {
@@ -154,7 +154,7 @@ def _make_plan(
         if with_ghosts and all(piece.rank != ordered.rank for piece in cut)
     }
     by_id = {id(v): i for i, v in enumerate(variables)}
-    factored = deque(_factored_moments(variables) if whole else ())
+    factored = deque(_factored_moments(variables) if name in FACTORED_MOMENTS else ())
     plan = Plan(ordered, by_id, pieces, shadows, kind.positions, ghosts, factored)
     object.__setattr__(optimizer, _PLAN, plan)  # (not a tracked attribute)
     return plan
@@ -179,8 +179,8 @@ def _sharding_strategy(strategy: Any) -> MPIStrategy | None:
 def _check_supported(optimizer: Any) -> None:
     """Raises (on every rank: at its first slot) for an optimizer this does not
     shard: one whose update of a variable is not elementwise (its rows could
-    not be updated apart: Lamb's trust ratio, Muon) and not in
-    ``WHOLE_VARIABLES``, or that keeps state outside its slots
+    not be updated apart: Muon's orthogonalized update) and not in
+    ``NEVER_CUT``, or that keeps state outside its slots
     (ScheduleFreeAdamW sets its slots from the weights), or a class of its own
     (which may do either)."""
     for method in _keras_internal.KERAS3_SHARDED_UPDATE:
@@ -196,7 +196,7 @@ def _check_supported(optimizer: Any) -> None:
 
 # Keras 3 optimizers it shards: those whose update_step is elementwise over a
 # variable and its slots, all made by add_variable_from_reference with a
-# constant initializer, and WHOLE_VARIABLES.
+# constant initializer, and NEVER_CUT.
 SUPPORTED = (
     "SGD",
     "Adam",
@@ -209,14 +209,18 @@ SUPPORTED = (
     "Lion",
     "Ftrl",
     "Adafactor",
+    "Lamb",
 )
 # ... of which these read a whole variable in its update (Adafactor: the RMS
-# of the variable and of its update, and, for a variable of rank >= 2, the
-# mean over its rows and over its columns of the squared gradient, kept in
-# two slots made by add_variable in build: _factored_moments). Their
-# variables are never cut (``partition_whole``): each rank runs the update
-# of whole variables, its slots all made on it.
-WHOLE_VARIABLES = ("Adafactor",)
+# of the variable and of its update; Lamb: its trust ratio, the norms of the
+# variable and of its update). Their variables are never cut
+# (``partition_whole``): each rank runs the update of whole variables, its
+# slots all made on it.
+NEVER_CUT = ("Adafactor", "Lamb")
+# ... and of those, these keep, for a variable of rank >= 2, the mean over
+# its rows and over its columns of the squared gradient in two slots made by
+# add_variable in build (Adafactor's: _factored_moments).
+FACTORED_MOMENTS = ("Adafactor",)
 
 
 def _factored_moments(variables: Sequence[Any]) -> list[tuple[int, tuple[int, ...]]]:
@@ -306,7 +310,7 @@ _FROM_REFERENCE = "_mpi_strategy_from_reference"
 
 def add_variable_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """``add_variable`` of Keras 3's and tf_keras's optimizers: in the build of
-    a sharded optimizer of ``WHOLE_VARIABLES`` (Adafactor), each factored
+    a sharded optimizer of ``FACTORED_MOMENTS`` (Adafactor), each factored
     moment (``_factored_moments``, in order) is made as a slot of its variable
     (on the rank that holds the variable, a placeholder on the others); any
     other variable as Keras makes it."""
@@ -314,7 +318,7 @@ def add_variable_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def add_variable(self: Any, shape: Any = None, *args: Any, **kwargs: Any) -> Any:
         plan = None
-        if type(self).__name__ in WHOLE_VARIABLES and not self.__dict__.get(_FROM_REFERENCE):
+        if type(self).__name__ in FACTORED_MOMENTS and not self.__dict__.get(_FROM_REFERENCE):
             plan = plan_of(self, create=type(self).__module__.startswith("keras."))
         if plan is None or not plan.factored:
             return original(self, shape, *args, **kwargs)
@@ -337,7 +341,7 @@ def _check_factored_made(optimizer: Any, plan: Plan, index: int) -> None:
 
 
 def _unexpected_build(optimizer: Any, plan: Plan, made: str) -> str:
-    """The error of a build of ``WHOLE_VARIABLES`` that does not make its
+    """The error of a build of ``FACTORED_MOMENTS`` that does not make its
     factored moments as ``_factored_moments`` expects (on every rank)."""
     index, shape = plan.factored[0]
     return (
@@ -747,7 +751,7 @@ def tf_keras_build_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 # tf_keras optimizers whose update_step is elementwise over a variable and its
 # slots, all made by add_variable_from_reference (at a constant, or, Ftrl's
 # accumulator, from a whole initial value, of which a slot of rows takes its
-# rows), and WHOLE_VARIABLES: Keras 3's list.
+# rows), and NEVER_CUT: Keras 3's list (it has no Lamb).
 TF_KERAS_SUPPORTED = SUPPORTED
 # ... of which these advance state outside the slots in update_step: Nadam's
 # product of its momentum schedule, _u_product (in tf.function, by a tf.cond

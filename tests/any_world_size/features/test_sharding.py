@@ -62,6 +62,8 @@ OPTIMIZERS = {
     "ftrl": lambda: keras.optimizers.Ftrl(0.05, l1_regularization_strength=0.001),
     # (its update reads whole variables: none cut; factored moments of kernels)
     "adafactor": lambda: keras.optimizers.Adafactor(0.05),
+    # (its trust ratio reads whole variables: none cut)
+    "lamb": lambda: keras.optimizers.Lamb(0.01),
     # (its EMA copies and accumulators made before its factored moments)
     "adafactor_ema": lambda: keras.optimizers.Adafactor(
         0.05, use_ema=True, gradient_accumulation_steps=2
@@ -269,7 +271,7 @@ def _assert_trained_alike(trained, wanted, exact=True):
 
 
 # Optimizers whose variables are never cut in rows (their update reads all of one).
-WHOLE = ("adafactor", "adafactor_ema")
+WHOLE = ("adafactor", "adafactor_ema", "lamb")
 # Two ranks' sums are the same bits in any order; at three, MPICH's
 # reduce-scatter may associate them otherwise than its all-reduce.
 SUMS_ALIKE = SIZE == 2
@@ -775,7 +777,7 @@ def _assert_equal_arrays(got, want):
 
 @partitioned
 def test_an_optimizer_it_does_not_shard_raises_on_every_rank(sharded):
-    for other in (keras.optimizers.Lamb, _OwnSGD):
+    for other in (keras.optimizers.ScheduleFreeAdamW, _OwnSGD):
         with pytest.raises(MPIStrategyError, match=f"not of {other.__name__}"):
             train(sharded, lambda: other(0.01), steps=1)  # noqa: B023 (called at once)
 
