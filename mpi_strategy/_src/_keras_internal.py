@@ -390,6 +390,9 @@ KERAS3_OPTIMIZER_INDICES = "_trainable_variables_indices"
 # the method that drops a variable from its list (and its tracker's ids).
 KERAS3_OPTIMIZER_AT_INIT = ("_iterations", "_learning_rate")
 KERAS3_OPTIMIZER_UNTRACK = "_untrack_variable"
+# ... and the list it tracks them in (TensorFlow's ListWrapper under the TF
+# backend: ``_tf_internal.list_rebuilt_in_order``).
+KERAS3_OPTIMIZER_VARIABLES = "_variables"
 OVERRIDDEN_METHODS = (
     BATCH_NORM_MOMENTS,
     TF_KERAS_BATCH_NORM_MOMENTS,

@@ -63,6 +63,7 @@ try:
     )
     from tensorflow.python.trackable import (
         base as _trackable_base,
+        data_structures as _data_structures,
         trackable_utils as _trackable_utils,
     )
     from tensorflow.python.training.saving import saveable_object as _saveable_object
@@ -121,6 +122,17 @@ def value_keys(saver: Any) -> Iterator[tuple[Any, str]]:
     for obj, path in paths.items():
         name = _trackable_utils.object_path_to_string(path)
         yield obj, _trackable_utils.checkpoint_key(name, VARIABLE_VALUE_KEY)
+
+
+def list_rebuilt_in_order(tracked: Any) -> None:
+    """Marks a tracked list (a ``ListWrapper``) whose items were removed, then
+    appended again in the order of its first build, as saveable again:
+    TensorFlow refuses to save a list once an item left it (a checkpoint keys
+    its items by position), and a list rebuilt so has each item at the
+    position a fresh build gives it (``features/sharding.rebuild_slots``)."""
+    if isinstance(tracked, _data_structures.ListWrapper):
+        tracked._non_append_mutation = False
+        tracked._update_snapshot()  # (the list as it is now: not modified since)
 
 
 def tf2_enabled() -> bool:

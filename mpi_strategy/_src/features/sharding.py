@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from mpi_strategy._src import _keras_internal
+from mpi_strategy._src import _keras_internal, _tf_internal
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.distribute import cross_device_ops, sharding
 from mpi_strategy._src.distribute.ordered_comm import OrderedComm
@@ -419,6 +419,10 @@ def rebuild_slots(optimizer: Any, strategy: MPIStrategy) -> None:
     optimizer.built = False
     with strategy.scope():
         optimizer.build(built_with)
+    # (its variables, listed again as the first build listed them: saveable)
+    _tf_internal.list_rebuilt_in_order(
+        getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_VARIABLES)
+    )
 
 
 def _keras() -> Any:

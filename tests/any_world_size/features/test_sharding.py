@@ -29,6 +29,7 @@ import tf_keras
 import mpi_strategy
 from mpi_strategy import MPIStrategyError
 from mpi_strategy._src.distribute import sharding
+from mpi_strategy._src.features import sharding as sharded_optimizers
 from mpi_testing import (
     LOCAL_DEVICES,
     NUM_REPLICAS,
@@ -691,6 +692,19 @@ def _assert_restores_the_checkpoint(strategy, path):
         optimizer.iterations.numpy(),
         tf.train.load_variable(path, "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"),
     )
+
+
+@partitioned
+def test_slots_made_again_for_the_ranks_there_are_now_are_checkpointed_as_ever(sharded, shared_dir):
+    """After ``rebuild_slots`` (elastic training, as the world shrinks) the
+    optimizer lists its variables as a fresh build does: a checkpoint writes,
+    with the keys and shapes of one never rebuilt."""
+    model, optimizer, _ = train(sharded, OPTIMIZERS["adam"], steps=1)
+    checkpoint = _checkpoint({"": (model, optimizer)})
+    built = checkpoint.write(os.path.join(shared_dir, "built"))
+    sharded_optimizers.rebuild_slots(optimizer, sharded)
+    rebuilt = checkpoint.write(os.path.join(shared_dir, "rebuilt"))
+    assert tf.train.list_variables(rebuilt) == tf.train.list_variables(built)
 
 
 @partitioned
