@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -80,8 +81,7 @@ class Plan:
     index_by_id: dict[int, int]
     pieces: tuple[tuple[sharding.Piece, ...], ...]
     shadows: dict[int, Any]
-    # The optimizer's dict of its variables' positions, by its _var_key.
-    positions: str
+    kind: _Kind  # which Keras's optimizer it is
     # For an optimizer whose update advances state outside its slots (tf_keras's
     # Nadam): a variable of no rows for each variable this rank holds none of,
     # which its update runs on (``_update_held``), in the order of the step.
@@ -124,8 +124,20 @@ def plan_of(optimizer: Any, create: bool = False) -> Plan | None:
 class _Kind:
     """What differs between Keras 3's and tf_keras's optimizers here."""
 
+    base: str  # the Keras's optimizer base class, "module:class"
     make: Callable[..., Any]  # (shape, dtype, name) -> a shadow
-    positions: str  # the optimizer's dict of its variables' positions
+    positions: str  # the optimizer's dict of its variables' positions, by its _var_key
+
+
+def _kind_of(optimizer: Any) -> _Kind | None:
+    """``_KERAS3`` or ``_TF_KERAS``: the Keras whose optimizer base class
+    ``optimizer`` is an instance of (of a Keras imported already); else None."""
+    for kind in (_KERAS3, _TF_KERAS):
+        module, _, name = kind.base.partition(":")
+        loaded = sys.modules.get(module)
+        if loaded is not None and isinstance(optimizer, getattr(loaded, name)):
+            return kind
+    return None
 
 
 def _make_plan(
@@ -155,7 +167,7 @@ def _make_plan(
     }
     by_id = {id(v): i for i, v in enumerate(variables)}
     factored = deque(_factored_moments(variables) if whole else ())
-    plan = Plan(ordered, by_id, pieces, shadows, kind.positions, ghosts, factored)
+    plan = Plan(ordered, by_id, pieces, shadows, kind, ghosts, factored)
     object.__setattr__(optimizer, _PLAN, plan)  # (not a tracked attribute)
     return plan
 
@@ -261,8 +273,16 @@ def _tf_keras_variable(shape: Any, dtype: Any, name: str) -> Any:
     return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name)
 
 
-_KERAS3 = _Kind(_keras3_variable, _keras_internal.KERAS3_OPTIMIZER_INDICES)
-_TF_KERAS = _Kind(_tf_keras_variable, _keras_internal.TF_KERAS_OPTIMIZER_INDICES)
+_KERAS3 = _Kind(
+    _keras_internal.KERAS3_BASE_OPTIMIZER,
+    _keras3_variable,
+    _keras_internal.KERAS3_OPTIMIZER_INDICES,
+)
+_TF_KERAS = _Kind(
+    _keras_internal.TF_KERAS_OPTIMIZER,
+    _tf_keras_variable,
+    _keras_internal.TF_KERAS_OPTIMIZER_INDICES,
+)
 
 
 def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -315,7 +335,7 @@ def add_variable_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     def add_variable(self: Any, shape: Any = None, *args: Any, **kwargs: Any) -> Any:
         plan = None
         if type(self).__name__ in WHOLE_VARIABLES and not self.__dict__.get(_FROM_REFERENCE):
-            plan = plan_of(self, create=type(self).__module__.startswith("keras."))
+            plan = plan_of(self, create=_kind_of(self) is _KERAS3)
         if plan is None or not plan.factored:
             return original(self, shape, *args, **kwargs)
         index, expected = plan.factored[0]
@@ -382,7 +402,7 @@ def _slot(
 
 def check_rebuildable(optimizer: Any) -> None:
     """Raises for a sharded optimizer ``rebuild_slots`` does not rebuild (tf_keras's)."""
-    if not type(optimizer).__module__.startswith("keras."):
+    if _kind_of(optimizer) is not _KERAS3:
         raise MPIStrategyError(
             "mpi_strategy.elastic: elastic training of a sharded optimizer "
             "(MPIStrategy(shard=...)) is done for Keras 3's optimizers, not "
@@ -535,7 +555,7 @@ def _update_rows(
     (``whole_grad``; else the gradient is of the rows).
     (Flags and pieces, not new objects per replica: a merge call would take
     those for per-replica values.)"""
-    indices = getattr(optimizer, plan.positions)
+    indices = getattr(optimizer, plan.kind.positions)
     for grad, whole_grad, variable, shadow, piece in rows:
         key = optimizer._var_key(shadow)
         indices[key] = indices[optimizer._var_key(variable)]  # (its slots: the rows')
