@@ -78,6 +78,7 @@ class Plan:
     those rows there, with slots of their shape)."""
 
     ordered: OrderedComm
+    variables: tuple[Any, ...]  # those it was built with
     index_by_id: dict[int, int]
     pieces: tuple[tuple[sharding.Piece, ...], ...]
     shadows: dict[int, Any]
@@ -127,6 +128,12 @@ class _Kind:
     base: str  # the Keras's optimizer base class, "module:class"
     make: Callable[..., Any]  # (shape, dtype, name) -> a shadow
     positions: str  # the optimizer's dict of its variables' positions, by its _var_key
+    # rebuild_slots: the attributes of the variables made before the build
+    # (kept), how the variables after them are dropped (and the build undone),
+    # and what the build makes outside the variables, kept.
+    at_init: tuple[str, ...]
+    unbuild: Callable[[Any, list[Any]], None]  # (optimizer, kept variables)
+    kept_by_rebuild: tuple[str, ...] = ()
 
 
 def _kind_of(optimizer: Any) -> _Kind | None:
@@ -167,7 +174,7 @@ def _make_plan(
     }
     by_id = {id(v): i for i, v in enumerate(variables)}
     factored = deque(_factored_moments(variables) if whole else ())
-    plan = Plan(ordered, by_id, pieces, shadows, kind, ghosts, factored)
+    plan = Plan(ordered, tuple(variables), by_id, pieces, shadows, kind, ghosts, factored)
     object.__setattr__(optimizer, _PLAN, plan)  # (not a tracked attribute)
     return plan
 
@@ -273,15 +280,33 @@ def _tf_keras_variable(shape: Any, dtype: Any, name: str) -> Any:
     return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name)
 
 
+def _keras3_unbuild(optimizer: Any, kept: list[Any]) -> None:
+    untrack = getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_UNTRACK)
+    for variable in optimizer.variables[len(kept) :]:
+        untrack(variable)
+    optimizer.built = False
+
+
+def _tf_keras_unbuild(optimizer: Any, kept: list[Any]) -> None:
+    setattr(optimizer, _keras_internal.TF_KERAS_OPTIMIZER_VARIABLES, list(kept))
+    setattr(optimizer, _keras_internal.TF_KERAS_OPTIMIZER_BUILT, False)
+    optimizer.__dict__.pop(_keras_internal.TF_KERAS_OPTIMIZER_CHECKPOINT_CHILDREN, None)
+
+
 _KERAS3 = _Kind(
     _keras_internal.KERAS3_BASE_OPTIMIZER,
     _keras3_variable,
     _keras_internal.KERAS3_OPTIMIZER_INDICES,
+    _keras_internal.KERAS3_OPTIMIZER_AT_INIT,
+    _keras3_unbuild,
 )
 _TF_KERAS = _Kind(
     _keras_internal.TF_KERAS_OPTIMIZER,
     _tf_keras_variable,
     _keras_internal.TF_KERAS_OPTIMIZER_INDICES,
+    _keras_internal.TF_KERAS_OPTIMIZER_AT_INIT,
+    _tf_keras_unbuild,
+    _keras_internal.TF_KERAS_OPTIMIZER_BUILT_OUTSIDE_VARIABLES,
 )
 
 
@@ -401,40 +426,46 @@ def _slot(
 
 
 def check_rebuildable(optimizer: Any) -> None:
-    """Raises for a sharded optimizer ``rebuild_slots`` does not rebuild (tf_keras's)."""
-    if _kind_of(optimizer) is not _KERAS3:
-        raise MPIStrategyError(
-            "mpi_strategy.elastic: elastic training of a sharded optimizer "
-            "(MPIStrategy(shard=...)) is done for Keras 3's optimizers, not "
-            f"{type(optimizer).__module__}.{type(optimizer).__name__}: use Keras 3's, "
-            "or MPIStrategy() without shard=."
-        )
+    """Raises (on every rank) for a sharded optimizer whose slots
+    ``rebuild_slots`` cannot make again: one with variables made before its
+    build other than its step count (and Keras 3's learning rate)."""
+    _kept_at_rebuild(optimizer)
 
 
-def rebuild_slots(optimizer: Any, strategy: MPIStrategy) -> None:
-    """Makes a sharded Keras 3 optimizer's slots anew for the ranks that
-    ``strategy`` spans now (elastic training, after lost ranks): the variables
-    its ``build`` made are dropped and it builds again, in the strategy's
-    scope, with the variables it was built with; each rank then holds its share
-    of the new partition (at their initial values: the caller sets them)."""
-    check_rebuildable(optimizer)
-    made_at_init = [getattr(optimizer, name) for name in _keras_internal.KERAS3_OPTIMIZER_AT_INIT]
-    kept = [v for v in made_at_init if isinstance(v, _keras().Variable)]
-    variables = optimizer.variables
-    if [id(v) for v in variables[: len(kept)]] != [id(v) for v in kept]:
+def _kept_at_rebuild(optimizer: Any) -> list[Any]:
+    """The variables a sharded optimizer made before its build (the first in its list)."""
+    kind = _kind_of(optimizer)
+    variables = list(optimizer.variables)
+    listed = {id(v) for v in variables}
+    made = [getattr(optimizer, name, None) for name in kind.at_init] if kind else []
+    kept = [v for v in made if id(v) in listed]
+    if kind is None or [id(v) for v in variables[: len(kept)]] != [id(v) for v in kept]:
         raise MPIStrategyError(
             f"mpi_strategy.elastic: {type(optimizer).__name__} has variables made before "
             "its build other than its step count and learning rate: its slots cannot be made "
-            "again for the survivors."
+            "again for the survivors. Use MPIStrategy() without shard=."
         )
-    untrack = getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_UNTRACK)
-    for variable in variables[len(kept) :]:
-        untrack(variable)
-    built_with = list(getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_BUILT_WITH))
+    return kept
+
+
+def rebuild_slots(optimizer: Any, strategy: MPIStrategy) -> None:
+    """Makes a sharded optimizer's slots (Keras 3's or tf_keras's) anew for
+    the ranks that ``strategy`` spans now (elastic training, after lost
+    ranks), on every one of them: the variables its ``build`` made are dropped
+    and it builds again, in the strategy's scope, with the variables it was
+    built with; each rank then holds its share of the new partition (at their
+    initial values: the caller sets them)."""
+    plan, kind = plan_of(optimizer), _kind_of(optimizer)
+    if plan is None or kind is None:
+        raise MPIStrategyError(f"mpi_strategy: {optimizer!r} is not a sharded optimizer.")
+    kept = _kept_at_rebuild(optimizer)
+    outside = {n: getattr(optimizer, n) for n in kind.kept_by_rebuild if hasattr(optimizer, n)}
+    kind.unbuild(optimizer, kept)
     optimizer.__dict__.pop(_PLAN, None)
-    optimizer.built = False
     with strategy.scope():
-        optimizer.build(built_with)
+        optimizer.build(list(plan.variables))
+    for name, value in outside.items():
+        setattr(optimizer, name, value)
 
 
 def _keras() -> Any:
