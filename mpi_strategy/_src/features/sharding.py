@@ -270,6 +270,16 @@ def _shadow(
         return make(shape, variable.dtype, name)
 
 
+def built(optimizer: Any) -> bool:
+    """Whether a Keras 3 or tf_keras optimizer (or a loss scale optimizer's
+    inner one) has made its slots; True for another object (tf_keras's legacy
+    optimizers make theirs at their first step)."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    if _kind_of(optimizer) is _TF_KERAS:
+        return bool(getattr(optimizer, _keras_internal.TF_KERAS_OPTIMIZER_BUILT, False))
+    return bool(getattr(optimizer, "built", True))
+
+
 def _keras3_variable(shape: Any, dtype: Any, name: str) -> Any:
     return _keras().Variable(
         initializer="zeros", shape=shape, dtype=dtype, trainable=False, name=name
