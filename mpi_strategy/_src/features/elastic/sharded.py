@@ -71,10 +71,12 @@ def check_supported(trackables: Sequence[Any]) -> None:
 
 
 def optimizers_of(trackables: Sequence[Any]) -> list[Any]:
-    """The sharded optimizers among ``trackables``."""
+    """The sharded optimizers among ``trackables`` (of a loss scale optimizer:
+    its inner one, which holds the slots)."""
+    optimizers = [getattr(t, "inner_optimizer", t) for t in trackables]
     return [
         t
-        for t in trackables
+        for t in optimizers
         if hasattr(t, "iterations") and sharded_optimizers.plan_of(t) is not None
     ]
 

@@ -3,6 +3,7 @@ training's State, at any world size: commits and restores, and what elastic.run
 lets through. The tests that kill ranks:
 tests/launchers/features/elastic/test_elastic.py."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -130,17 +131,19 @@ def test_run_recovers_from_a_rank_lost_on_another_communicator_inside_a_tf_funct
     _step(strategy, model, optimizer)  # on the survivors' communicator
 
 
-def test_run_recovers_a_sharded_optimizers_slots_from_the_commit(monkeypatch):
+@pytest.mark.parametrize("k", [keras, tf_keras], ids=["keras", "tf_keras"])
+def test_run_recovers_a_sharded_optimizers_slots_from_the_commit(monkeypatch, k):
     """MPIStrategy(shard="optimizer"): the recovery makes the optimizer's slots
     again for the survivors and sets each from the commit, put together from
-    the ranks that hold its pieces. No rank dies here (that needs ULFM:
+    the ranks that hold its pieces (a loss scale optimizer's: its inner
+    one's). No rank dies here (that needs ULFM:
     tests/launchers/features/elastic/test_elastic.py loses one): every rank
     survives, on a duplicate of the communicator."""
     monkeypatch.setattr(recovery.ulfm, "shrink", lambda comm: comm.Dup())
     strategy = mpi_strategy.MPIStrategy(shard="optimizer", devices=local_devices())
     with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input((20,)), tf.keras.layers.Dense(32)])
-        optimizer = tf.keras.optimizers.Adam(0.1)
+        model = k.Sequential([k.Input((20,)), k.layers.Dense(32)])
+        optimizer = k.mixed_precision.LossScaleOptimizer(k.optimizers.Adam(0.1))
     state = mpi_strategy.elastic.State(model, optimizer)
     committed = []
 
