@@ -120,6 +120,12 @@ def plan_of(optimizer: Any, create: bool = False) -> Plan | None:
     return _make_plan(optimizer, strategy, variables, _KERAS3)
 
 
+def shards_now(optimizer: Any) -> bool:
+    """True for a built optimizer that a build would shard now: its strategy
+    shards over several ranks (one built in a world of one rank has no plan)."""
+    return bool(getattr(optimizer, "built", False)) and _sharding(optimizer) is not None
+
+
 @dataclass(frozen=True)
 class _Kind:
     """What differs between Keras 3's and tf_keras's optimizers here."""

@@ -63,6 +63,36 @@ class Copies:
     buddy: dict[int, np.ndarray]
 
 
+NEWCOMER = -1  # the rank in ``Copies`` of a replacement: it held no piece
+
+
+def described(copies: Copies) -> dict[str, Any]:
+    """What a replacement needs of a survivor's ``copies`` (JSON-able): the
+    world size and the slots, not the pieces (``newcomers_copies``)."""
+    return {
+        "size": copies.size,
+        "slots": [
+            [s.position, [list(p) for p in s.pieces], list(s.shape), tf.as_dtype(s.dtype).name]
+            for s in copies.slots
+        ],
+    }
+
+
+def newcomers_copies(description: dict[str, Any]) -> Copies:
+    """A replacement's ``Copies`` of the commit ``described`` by a survivor: it
+    holds no piece, so ``restore`` takes every piece from the survivors."""
+    slots = tuple(
+        Slot(
+            position,
+            tuple(sharding.Piece(*p) for p in pieces),
+            tuple(shape),
+            tf.as_dtype(dtype).as_numpy_dtype,
+        )
+        for position, pieces, shape, dtype in description["slots"]
+    )
+    return Copies(NEWCOMER, description["size"], slots, {})
+
+
 def check_supported(trackables: Sequence[Any]) -> None:
     """Raises (on every rank: at a commit) for a sharded optimizer whose
     slots ``restore`` cannot make again: tf_keras's."""
@@ -76,6 +106,18 @@ def optimizers_of(trackables: Sequence[Any]) -> list[Any]:
         t
         for t in trackables
         if hasattr(t, "iterations") and sharded_optimizers.plan_of(t) is not None
+    ]
+
+
+def to_cut_anew(trackables: Sequence[Any]) -> list[Any]:
+    """The optimizers among ``trackables`` whose slots ``restore`` makes again:
+    the sharded ones, and those that would be sharded now (a replacement's,
+    built in its own world of one rank)."""
+    return [
+        t
+        for t in trackables
+        if hasattr(t, "iterations")
+        and (sharded_optimizers.plan_of(t) is not None or sharded_optimizers.shards_now(t))
     ]
 
 
@@ -146,11 +188,12 @@ def restore(
     copies: Copies,
 ) -> None:
     """After a recovery (collective over the survivors, the strategy spanning
-    them): the ``optimizers`` make their slots again for the survivors
+    them), or a join (the survivors and replacements, whose ``copies`` are
+    ``newcomers_copies``): the ``optimizers`` make their slots again for them
     (``variables_now()`` then lists the state's variables, as the commit
     did), the variables are set to the commit's ``arrays``, and each sharded
     slot is put together from the survivors that hold its pieces (their own
-    or their lost buddy's) and cut for the survivors. Raises
+    or their lost buddy's) and cut for the ranks now. Raises
     ``ShardLostError`` on every survivor if a piece is on no survivor."""
     ordered = strategy.extended.ordered_comm
     was = ordered.allgather(tf.constant([copies.rank], tf.int64)).numpy().tolist()

@@ -151,11 +151,3 @@ def test_a_lost_share_is_one_lost_with_its_copy_on_the_next_rank():
     assert lost_shares(4, [0, 1]) == [2]  # 2 and 3 lost: 3's copy is on 0
     assert lost_shares(3, [1]) == [2]  # 0 and 2 lost: 0's copy is on 1
     assert lost_shares(2, [0]) == []
-
-
-def test_run_refuses_replacements_for_a_sharded_optimizer():
-    strategy = mpi_strategy.MPIStrategy(shard="optimizer", devices=local_devices())
-    model, optimizer = _model_and_optimizer(strategy)
-    state = mpi_strategy.elastic.State(model, optimizer)
-    with pytest.raises(mpi_strategy.MPIStrategyError, match="replace_lost=True with MPIStrategy"):
-        mpi_strategy.elastic.run(strategy, state, replace_lost=True)
