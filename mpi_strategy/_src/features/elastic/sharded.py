@@ -8,7 +8,10 @@ commit's partition is on a survivor if no two neighbours were lost (rank r and
 r + 1 mod N): the survivors put each slot together from those holders, one
 slot at a time, and each keeps its share of the partition over the survivors
 (``restore``), after the optimizer made its slots again for that partition
-(``features/sharding.rebuild_slots``).
+(``features/sharding.rebuild_slots``). When replacements join
+(``replace_lost=True``), the same ``restore`` cuts the slots for the grown
+world, the replacements holding no piece (``newcomers_copies``;
+``recovery.grown``).
 """
 
 from __future__ import annotations
