@@ -121,6 +121,17 @@ def plan_of(optimizer: Any, create: bool = False) -> Plan | None:
     return _make_plan(optimizer, strategy, variables, _KERAS3)
 
 
+def is_tf_keras(optimizer: Any) -> bool:
+    """True for an optimizer of tf_keras (``tf_keras.optimizers.*``)."""
+    return _kind_of(optimizer) is _TF_KERAS
+
+
+def shards_now(optimizer: Any) -> bool:
+    """True for a built optimizer that a build would shard now: its strategy
+    shards over several ranks (one built in a world of one rank has no plan)."""
+    return built(optimizer) and _sharding(optimizer) is not None
+
+
 @dataclass(frozen=True)
 class _Kind:
     """What differs between Keras 3's and tf_keras's optimizers here."""
@@ -475,14 +486,19 @@ def rebuild_slots(optimizer: Any, strategy: MPIStrategy) -> None:
     built with; each rank then holds its share of the new partition (at their
     initial values: the caller sets them)."""
     plan, kind = plan_of(optimizer), _kind_of(optimizer)
-    if plan is None or kind is None:
+    if kind is None or (plan is None and kind is not _KERAS3):
         raise MPIStrategyError(f"mpi_strategy: {optimizer!r} is not a sharded optimizer.")
+    built_with = (  # (no plan: a replacement's Keras 3 optimizer, built in its world of one)
+        list(plan.variables)
+        if plan is not None
+        else list(getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_BUILT_WITH))
+    )
     kept = _kept_at_rebuild(optimizer)
     outside = {n: getattr(optimizer, n) for n in kind.kept_by_rebuild if hasattr(optimizer, n)}
     kind.unbuild(optimizer, kept)
     optimizer.__dict__.pop(_PLAN, None)
     with strategy.scope():
-        optimizer.build(list(plan.variables))
+        optimizer.build(built_with)
     for name, value in outside.items():
         setattr(optimizer, name, value)
 

@@ -140,15 +140,49 @@ def _restore_sharded(strategy: MPIStrategy, state: State, number: int) -> None:
     _, (_, arrays), _, copies = state_lib.commit_of(state, number)
     if copies is None:
         return
+    _restore(strategy, state, arrays, copies)
+    state_lib.roll_back_values(state, number)
+
+
+def _restore(
+    strategy: MPIStrategy, state: State, arrays: list[Any], copies: sharded.Copies
+) -> None:
     trackables = state_lib.trackables_of(state)
     sharded.restore(
         strategy,
-        sharded.optimizers_of(trackables),
+        sharded.to_cut_anew(trackables),
         lambda: state_lib.variables_of(trackables),
         arrays,
         copies,
     )
-    state_lib.roll_back_values(state, number)
+
+
+def grown(
+    strategy: MPIStrategy,
+    state: State,
+    merged: MPI.Intracomm,
+    received: state_lib.Newest | None = None,
+) -> None:
+    """After replacements joined (collective over ``merged``: the survivors
+    pass no ``received``, a replacement the commit they sent it, which becomes
+    its own): the strategy spans ``merged``, at the survivors' newest commit.
+
+    With a sharded optimizer, its slots are cut anew for ``merged``, each put
+    together from the survivors that hold its pieces (the replacements hold
+    none), and every rank commits: the copies on the next rank are those of
+    the new partition, so that a rank lost before the next commit loses
+    nothing. A rank lost before that commit is made on every rank: every rank
+    still holds the joined commit (with its copies among the survivors), which
+    the recovery goes back to."""
+    continue_on(strategy, state, merged)
+    if received is not None:
+        state_lib.hold(state, received)
+    _, (_, arrays), _, copies = state_lib.commit_of(state, None)
+    if copies is not None:
+        _restore(strategy, state, arrays, copies)
+        state.commit()
+    elif received is not None:
+        state.restore()
 
 
 def retire_and_shrink(

@@ -88,7 +88,7 @@ class Regrowth:
         if merged is None:
             return  # given up: training goes on with the survivors
         before = ordered.size
-        recovery.continue_on(self._strategy, self._state, merged)
+        recovery.grown(self._strategy, self._state, merged)
         recovery.record().replacements.append(
             {
                 "started_at": spawning.started_at,

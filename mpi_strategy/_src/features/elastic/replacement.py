@@ -8,7 +8,9 @@ from its start up to ``elastic.run`` (importing TensorFlow, building the
 strategy and the model on its own), says that it is ready, and waits. At the
 first commit after that, every survivor and every replacement meet: the world
 grows back (the survivors keep their ranks, the replacements come after them),
-rank 0 sends the commit just made, and every rank calls the function again.
+rank 0 sends the commit just made (but a sharded optimizer's slots: the ranks
+put them together after the join, ``recovery.grown``), and every rank calls
+the function again.
 
 ``MPI_Comm_spawn`` returns only once the new processes initialised MPI (after
 they imported TensorFlow), so it runs in a background thread, on its own
@@ -38,6 +40,8 @@ from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.core.wire import word as _word
+from mpi_strategy._src.features.elastic import sharded
+from mpi_strategy._src.features.elastic.state import Newest
 
 _READY, _DECISION = 7301, 7302  # tags: replacements -> survivors' rank 0, and back
 WAIT, JOIN, GIVE_UP = 1, 2, 4  # decide()'s answers (bits: agreed with ULFM's Agree)
@@ -172,7 +176,7 @@ class Spawning:
             )
         return decision
 
-    def join(self, newest: tuple[int, dict[str, Any], list[np.ndarray]]) -> MPI.Intracomm | None:
+    def join(self, newest: Newest) -> MPI.Intracomm | None:
         """Every survivor: merges with the ready replacements and sends them
         ``newest`` (rank 0's commit); returns the merged communicator (survivors
         first), or None if a replacement built a state of other shapes. Raises
@@ -248,31 +252,36 @@ def _send_commit(
     root: int,
     number: int,
     values: dict[str, Any],
-    arrays: list[np.ndarray],
+    arrays: list[np.ndarray | None],
+    copies: sharded.Copies | None,
 ) -> None:
     """Rank 0 of the survivors to every replacement: a JSON header (commit
-    number, the state's values, the arrays' layout), then each array's bytes."""
+    number, the state's values, the arrays' layout, the sharded slots), then
+    each array's bytes (but the sharded slots': None)."""
+    sent = [a for a in arrays if a is not None]  # (the same positions on every survivor)
     header = np.frombuffer(
         json.dumps(
             {
                 "number": number,
                 "values": values,
-                "layout": _layout((a.shape, a.dtype) for a in arrays),
+                "layout": _layout((a.shape, a.dtype) for a in sent),
+                "sharded": sharded.described(copies) if copies else None,
             }
         ).encode(),
         np.uint8,
     )
     intercomm.Bcast(_word(header.size), root=root)
     intercomm.Bcast(header, root=root)
-    for array in arrays:
+    for array in sent:
         intercomm.Bcast(np.ascontiguousarray(array).view(np.uint8).reshape(-1), root=root)
 
 
 def _receive_commit(
     intercomm: MPI.Intercomm, specs: list[tuple[tuple[int, ...], Any]]
-) -> tuple[int, dict[str, Any], list[np.ndarray]] | None:
+) -> Newest | None:
     """The commit ``_send_commit`` sends, as (number, values, arrays of ``specs``,
-    (shape, dtype) pairs) or None (after receiving it all) if its layout differs."""
+    (shape, dtype) pairs, None for a sharded slot, this rank's ``sharded.Copies``
+    or None) or None (after receiving it all) if its layout differs."""
     size = _word()
     intercomm.Bcast(size, root=0)
     header = np.empty(size[0], np.uint8)
@@ -282,19 +291,25 @@ def _receive_commit(
     for _, _, nbytes in header["layout"]:
         arrays.append(np.empty(nbytes, np.uint8))
         intercomm.Bcast(arrays[-1], root=0)
-    if header["layout"] != _layout(specs):
+    copies = None if header["sharded"] is None else sharded.newcomers_copies(header["sharded"])
+    # (a sharded slot's shape here is its share of this rank's world, if any)
+    elsewhere = {slot.position for slot in copies.slots} if copies else set()
+    sent = [spec for k, spec in enumerate(specs) if k not in elsewhere]
+    if header["layout"] != _layout(sent) or max(elsewhere, default=-1) >= len(specs):
         logger.error(
             "mpi_strategy.elastic: this replacement's state (shapes and dtypes %s) "
             "is not the survivors' (%s): the program must build the same state on "
             "every rank.",
-            _layout(specs),
+            _layout(sent),
             header["layout"],
         )
         return None
+    received = iter(a.view(dtype).reshape(shape) for a, (shape, dtype) in zip(arrays, sent))
     return (
         header["number"],
         header["values"],
-        [a.view(dtype).reshape(shape) for a, (shape, dtype) in zip(arrays, specs)],
+        [None if k in elsewhere else next(received) for k in range(len(specs))],
+        copies,
     )
 
 
@@ -316,11 +331,12 @@ def flush_sends(timeout_s: float) -> None:
 
 def join_survivors(
     specs: list[tuple[tuple[int, ...], Any]],
-) -> tuple[MPI.Intracomm, tuple[int, dict[str, Any], list[np.ndarray]]]:
+) -> tuple[MPI.Intracomm, Newest]:
     """In a replacement, at ``elastic.run``: tells the survivors it is ready and
     waits for their decision at their next commit. Told to join, receives the
     commit (its arrays must have the (shape, dtype) ``specs`` of this state)
-    and returns (the merged communicator, (number, values, arrays)); told to
+    and returns (the merged communicator, (number, values, arrays, copies):
+    ``_receive_commit``); told to
     leave, raises ``SystemExit(0)``: the replacement ends as a finished program."""
     parent, world = MPI.Comm.Get_parent(), MPI.COMM_WORLD
     parent.Set_errhandler(MPI.ERRORS_RETURN)

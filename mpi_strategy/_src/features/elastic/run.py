@@ -34,7 +34,6 @@ import tensorflow as tf
 from mpi4py import MPI
 
 from mpi_strategy._src.core import failure, ulfm
-from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.logs import logger
 from mpi_strategy._src.distribute.strategy import MPIStrategy
 from mpi_strategy._src.features import sharding as sharded_optimizers
@@ -43,6 +42,7 @@ from mpi_strategy._src.features.elastic import (
     recovery,
     regrowth as regrowth_lib,
     replacement,
+    sharded,
     state as state_lib,
     ulfm_exit,
 )
@@ -74,13 +74,8 @@ def run(
         raise ValueError(
             f"mpi_strategy.elastic.run: min_ranks must be an int >= 1, got {min_ranks!r}."
         )
-    if strategy.extended.shard and replace_lost:
-        raise MPIStrategyError(
-            f"mpi_strategy.elastic.run: replace_lost=True with MPIStrategy(shard="
-            f"{strategy.extended.shard!r}): a replacement would need its share of the "
-            "sharded optimizer's slots, which no rank sends it yet. Shrinking works: "
-            "leave replace_lost out, or use MPIStrategy() without shard=."
-        )
+    if replace_lost and strategy.extended.shard:
+        sharded.check_regrowable(state_lib.trackables_of(state))
     where = os.fspath(directory)
 
     def decorate(train: Callable[..., Result]) -> Callable[..., Result]:
@@ -156,8 +151,7 @@ def _join(strategy: MPIStrategy, state: State) -> None:
     if ulfm.ulfm_launch():
         ulfm_exit.end_without_finalize(lambda: strategy.extended.ordered_comm.comm)
     merged, newest = replacement.join_survivors(state_lib.specs(state))
-    recovery.continue_on(strategy, state, merged)
-    state_lib.load(state, newest)
+    recovery.grown(strategy, state, merged, newest)
 
 
 def _start(strategy: MPIStrategy, state: State, directory: str) -> bool:

@@ -8,7 +8,10 @@ commit's partition is on a survivor if no two neighbours were lost (rank r and
 r + 1 mod N): the survivors put each slot together from those holders, one
 slot at a time, and each keeps its share of the partition over the survivors
 (``restore``), after the optimizer made its slots again for that partition
-(``features/sharding.rebuild_slots``).
+(``features/sharding.rebuild_slots``). When replacements join
+(``replace_lost=True``), the same ``restore`` cuts the slots for the grown
+world, the replacements holding no piece (``newcomers_copies``;
+``recovery.grown``).
 """
 
 from __future__ import annotations
@@ -63,6 +66,36 @@ class Copies:
     buddy: dict[int, np.ndarray]
 
 
+NEWCOMER = -1  # the rank in ``Copies`` of a replacement: it held no piece
+
+
+def described(copies: Copies) -> dict[str, Any]:
+    """What a replacement needs of a survivor's ``copies`` (JSON-able): the
+    world size and the slots, not the pieces (``newcomers_copies``)."""
+    return {
+        "size": copies.size,
+        "slots": [
+            [s.position, [list(p) for p in s.pieces], list(s.shape), tf.as_dtype(s.dtype).name]
+            for s in copies.slots
+        ],
+    }
+
+
+def newcomers_copies(description: dict[str, Any]) -> Copies:
+    """A replacement's ``Copies`` of the commit ``described`` by a survivor: it
+    holds no piece, so ``restore`` takes every piece from the survivors."""
+    slots = tuple(
+        Slot(
+            position,
+            tuple(sharding.Piece(*p) for p in pieces),
+            tuple(shape),
+            tf.as_dtype(dtype).as_numpy_dtype,
+        )
+        for position, pieces, shape, dtype in description["slots"]
+    )
+    return Copies(NEWCOMER, description["size"], slots, {})
+
+
 def check_supported(trackables: Sequence[Any]) -> None:
     """Raises (on every rank: at a commit) for a sharded optimizer whose
     slots ``restore`` cannot make again (``sharding.check_rebuildable``)."""
@@ -73,12 +106,38 @@ def check_supported(trackables: Sequence[Any]) -> None:
 def optimizers_of(trackables: Sequence[Any]) -> list[Any]:
     """The sharded optimizers among ``trackables`` (of a loss scale optimizer:
     its inner one, which holds the slots)."""
-    optimizers = [getattr(t, "inner_optimizer", t) for t in trackables]
+    return [t for t in _optimizers(trackables) if sharded_optimizers.plan_of(t) is not None]
+
+
+def to_cut_anew(trackables: Sequence[Any]) -> list[Any]:
+    """The optimizers among ``trackables`` whose slots ``restore`` makes again:
+    the sharded ones, and those that would be sharded now (a replacement's,
+    built in its own world of one rank)."""
     return [
         t
-        for t in optimizers
-        if hasattr(t, "iterations") and sharded_optimizers.plan_of(t) is not None
+        for t in _optimizers(trackables)
+        if sharded_optimizers.plan_of(t) is not None or sharded_optimizers.shards_now(t)
     ]
+
+
+def check_regrowable(trackables: Sequence[Any]) -> None:
+    """Raises (on every rank, as ``elastic.run`` starts) for a tf_keras
+    optimizer under ``replace_lost=True``: a replacement builds it in a world
+    of its own rank, where it keeps no list of the variables it was built with
+    to build it again with the others."""
+    for optimizer in _optimizers(trackables):
+        if sharded_optimizers.is_tf_keras(optimizer):
+            raise MPIStrategyError(
+                "mpi_strategy.elastic.run: replace_lost=True with a tf_keras optimizer "
+                f"({type(optimizer).__name__}) under MPIStrategy(shard=...): its replacements "
+                "could not make its slots again with the survivors. Shrinking works (leave "
+                "replace_lost out), as does Keras 3's optimizer, or MPIStrategy() without shard=."
+            )
+
+
+def _optimizers(trackables: Sequence[Any]) -> list[Any]:
+    optimizers = [getattr(t, "inner_optimizer", t) for t in trackables]
+    return [t for t in optimizers if hasattr(t, "iterations")]
 
 
 def held_elsewhere(variable: Any) -> bool:
@@ -148,11 +207,12 @@ def restore(
     copies: Copies,
 ) -> None:
     """After a recovery (collective over the survivors, the strategy spanning
-    them): the ``optimizers`` make their slots again for the survivors
+    them), or a join (the survivors and replacements, whose ``copies`` are
+    ``newcomers_copies``): the ``optimizers`` make their slots again for them
     (``variables_now()`` then lists the state's variables, as the commit
     did), the variables are set to the commit's ``arrays``, and each sharded
     slot is put together from the survivors that hold its pieces (their own
-    or their lost buddy's) and cut for the survivors. Raises
+    or their lost buddy's) and cut for the ranks now. Raises
     ``ShardLostError`` on every survivor if a piece is on no survivor."""
     ordered = strategy.extended.ordered_comm
     was = ordered.allgather(tf.constant([copies.rank], tf.int64)).numpy().tolist()

@@ -14,8 +14,9 @@ from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.features.elastic import sharded
 
 _COMMITS_KEPT = 2  # a rank may have committed once more than a survivor that was cut short
-# (number, values, arrays): a commit as sent to a replacement
-Newest = tuple[int, dict[str, Any], list[np.ndarray]]
+# (number, values, arrays, sharded slots): a commit as sent to a replacement, the
+# array of a sharded slot None (see ``newest``)
+Newest = tuple[int, dict[str, Any], list[np.ndarray | None], sharded.Copies | None]
 
 
 class State:
@@ -126,9 +127,14 @@ def resume(state: State, values: dict[str, Any], number: int) -> None:
 
 
 def newest(state: State) -> Newest:
-    """(number, values, arrays) of the newest commit, to send to a replacement."""
-    number, (_, tensors), values, _ = state._commits[-1]
-    return number, values, [t.numpy() for t in tensors]
+    """(number, values, arrays, sharded.Copies or None) of the newest commit, to
+    send to a replacement: the array of a sharded slot is None (this rank holds a
+    piece of it at most; the ranks put it together after the join: ``sharded.restore``)."""
+    # (np.asarray: a replacement's first commit holds the arrays it received)
+    number, (_, tensors), values, copies = state._commits[-1]
+    elsewhere = {slot.position for slot in copies.slots} if copies else set()
+    arrays = [None if k in elsewhere else np.asarray(t) for k, t in enumerate(tensors)]
+    return number, values, arrays, copies
 
 
 def specs(state: State) -> list[tuple[tuple[int, ...], Any]]:
@@ -139,13 +145,16 @@ def specs(state: State) -> list[tuple[tuple[int, ...], Any]]:
     ]
 
 
-def load(state: State, commit: Newest) -> None:
-    """Sets the variables and values to ``newest()`` of another rank, and commits."""
-    number, values, arrays = commit
-    for variable, value in zip(variables_of(state._trackables), arrays):
-        variable.assign(value)
+def hold(state: State, commit: Newest) -> None:
+    """Makes ``commit`` (the survivors' ``newest()``, in a replacement) the
+    state's only commit, and its values the state's; sets no variable
+    (``State.restore`` does) and does not communicate."""
+    number, values, arrays, copies = commit
+    variables = variables_of(state._trackables)
     state._values.clear()
-    resume(state, values, number)
+    state._values.update(values)
+    object.__setattr__(state, "_number", number)
+    state._commits[:] = [(number, (variables, arrays), dict(values), copies)]
 
 
 def variables_of(trackables: tuple[Any, ...]) -> list[tf.Variable]:

@@ -371,30 +371,65 @@ def test_an_uncaught_error_on_one_rank_leaves_no_rank_waiting(elastic):
         assert "RanksLostError" in out, out[-3000:]
 
 
+def _regrow(*args):
+    """3 ranks; rank 2 lost at step 15, rank 1 at step 25: after the first
+    replacement joined (at commit #3, step 20), before the next commit. The
+    survivors wait at their commits until the replacements are ready
+    (tests/programs/replacements_awaited.py): each joins at the first commit
+    after its recovery, however long it takes to start."""
+    args = (EXAMPLE, *STEPS, "--replace-lost", *args)
+    return _launch(3, ["2@15", "1@25"], example=program("replacements_awaited.py"), args=args)
+
+
+@pytest.fixture(scope="module")
+def regrown():
+    _needs_ulfm()
+    return _regrow()
+
+
+def _commits(got):
+    """The commits that the recoveries went back to and that the replacements joined at."""
+    return [r["commit"] for r in got["recoveries"]], [r["commit"] for r in got["replacements"]]
+
+
 @pytest.mark.single_process
-def test_a_replacement_joins_at_a_commit_and_the_world_grows_back(uninterrupted):
-    # The survivors wait at their commits until the replacement is ready
-    # (tests/programs/replacements_awaited.py): it joins at the first commit
-    # after the recovery, however long it takes to start.
-    got, out = _launch(
-        3,
-        ["2@15"],
-        example=program("replacements_awaited.py"),
-        args=(EXAMPLE, *STEPS, "--replace-lost"),
-    )
-    assert got["ranks_at_end"] == 3, f"the replacement did not join:\n{out[-3000:]}"
-    (joined,) = got["replacements"]
-    assert (joined["ranks_before"], joined["ranks_after"], joined["commit"]) == (2, 3, 3)
-    assert joined["started_at"] < joined["spawned_at"] < joined["joined_at"]
-    # 3 ranks, then 2 from the commit before the kill (#2), then 3 from the
-    # next one: every step on the same global batch, as without a failure.
-    # After the join the ranks reduce over a communicator merged across two
+def test_a_replacement_joins_at_a_commit_and_the_world_grows_back(uninterrupted, regrown):
+    got, out = regrown
+    assert got["ranks_at_end"] == 3, f"the replacements did not join:\n{out[-3000:]}"
+    for joined in got["replacements"]:
+        assert (joined["ranks_before"], joined["ranks_after"]) == (2, 3)
+        assert joined["started_at"] < joined["spawned_at"] < joined["joined_at"]
+    # 3 ranks, then 2 from the commit before the first kill (#2), 3 from the
+    # next one (#3), 2 from there (the join's commit) and 3 from #4: every
+    # step on the same global batch, as without a failure.
+    assert _commits(got) == ([2, 3], [3, 4]), out[-3000:]
+    # After a join the ranks reduce over a communicator merged across two
     # launches, which Open MPI may sum in another order than the reference
     # run's: a 600-step run rounded off by 6e-6 on the loss and 3e-3 on the
     # weights' sum in CI, as in the random-kills test. The replicas must still
     # agree exactly (_assert_same_run); exactness is the other tests' part.
     _assert_same_run(got, uninterrupted, loss_tolerance=1e-4, weights_tolerance=1e-2)
-    assert out.count("replacement(s) joined") == 1, out[-3000:]
+    assert out.count("replacement(s) joined") == 2, out[-3000:]
+
+
+@pytest.mark.single_process
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_a_sharded_optimizer_is_cut_anew_when_replacements_join(regrown, shard):
+    # SGD with momentum, its slots sharded: at each join they are cut anew for
+    # 3 ranks, put together from the survivors; the join's commit copies the
+    # new shares to the next rank, so that rank 1's, lost before the next
+    # commit, comes back from the replacement. Stage 1 is the unsharded run
+    # bit for bit; stage 2 to rounding (as in the test above without joins).
+    got, out = _regrow("--shard", shard)
+    want, _ = regrown
+    # (The join commits again, after the cut: #4 and #6.)
+    assert (got["ranks_at_end"], _commits(got)) == (3, ([2, 4], [4, 6])), out[-3000:]
+    if shard == "optimizer":
+        assert (got["weights_sha256"], got["final_loss"]) == (
+            want["weights_sha256"],
+            want["final_loss"],
+        ), f"got:  {got}\nwant: {want}"
+    _assert_same_run(got, want)
 
 
 @pytest.mark.single_process
