@@ -121,17 +121,6 @@ def plan_of(optimizer: Any, create: bool = False) -> Plan | None:
     return _make_plan(optimizer, strategy, variables, _KERAS3)
 
 
-def is_tf_keras(optimizer: Any) -> bool:
-    """True for an optimizer of tf_keras (``tf_keras.optimizers.*``)."""
-    return _kind_of(optimizer) is _TF_KERAS
-
-
-def shards_now(optimizer: Any) -> bool:
-    """True for a built optimizer that a build would shard now: its strategy
-    shards over several ranks (one built in a world of one rank has no plan)."""
-    return built(optimizer) and _sharding(optimizer) is not None
-
-
 @dataclass(frozen=True)
 class _Kind:
     """What differs between Keras 3's and tf_keras's optimizers here."""
@@ -478,21 +467,23 @@ def _kept_at_rebuild(optimizer: Any) -> list[Any]:
     return kept
 
 
-def rebuild_slots(optimizer: Any, strategy: MPIStrategy) -> None:
+def rebuild_slots(
+    optimizer: Any, strategy: MPIStrategy, built_with: Sequence[Any] | None = None
+) -> None:
     """Makes a sharded optimizer's slots (Keras 3's or tf_keras's) anew for
     the ranks that ``strategy`` spans now (elastic training, after lost
-    ranks), on every one of them: the variables its ``build`` made are dropped
-    and it builds again, in the strategy's scope, with the variables it was
-    built with; each rank then holds its share of the new partition (at their
+    ranks or as replacements join), on every one of them: the variables its
+    ``build`` made are dropped and it builds again, in the strategy's scope,
+    with ``built_with`` (default: the variables of its partition; a
+    replacement's, built in its world of one rank, has none: the survivors
+    name them); each rank then holds its share of the new partition (at their
     initial values: the caller sets them)."""
     plan, kind = plan_of(optimizer), _kind_of(optimizer)
-    if kind is None or (plan is None and kind is not _KERAS3):
+    if built_with is None and plan is not None:
+        built_with = plan.variables
+    if kind is None or built_with is None:
         raise MPIStrategyError(f"mpi_strategy: {optimizer!r} is not a sharded optimizer.")
-    built_with = (  # (no plan: a replacement's Keras 3 optimizer, built in its world of one)
-        list(plan.variables)
-        if plan is not None
-        else list(getattr(optimizer, _keras_internal.KERAS3_OPTIMIZER_BUILT_WITH))
-    )
+    built_with = list(built_with)
     kept = _kept_at_rebuild(optimizer)
     outside = {n: getattr(optimizer, n) for n in kind.kept_by_rebuild if hasattr(optimizer, n)}
     kind.unbuild(optimizer, kept)

@@ -137,23 +137,22 @@ def recover(
 def _restore_sharded(strategy: MPIStrategy, state: State, number: int) -> None:
     """If commit ``number`` holds a sharded optimizer's slots, restores it on the
     survivors (``sharded.restore``; the rebuild's time includes it)."""
-    _, (_, arrays), _, copies = state_lib.commit_of(state, number)
+    _, committed, _, copies = state_lib.commit_of(state, number)
     if copies is None:
         return
-    _restore(strategy, state, arrays, copies)
+    _restore(strategy, state, committed, copies)
     state_lib.roll_back_values(state, number)
 
 
 def _restore(
-    strategy: MPIStrategy, state: State, arrays: list[Any], copies: sharded.Copies
+    strategy: MPIStrategy,
+    state: State,
+    committed: tuple[list[Any], list[Any]],
+    copies: sharded.Copies,
 ) -> None:
     trackables = state_lib.trackables_of(state)
     sharded.restore(
-        strategy,
-        sharded.to_cut_anew(trackables),
-        lambda: state_lib.variables_of(trackables),
-        arrays,
-        copies,
+        strategy, trackables, lambda: state_lib.variables_of(trackables), committed, copies
     )
 
 
@@ -177,9 +176,9 @@ def grown(
     continue_on(strategy, state, merged)
     if received is not None:
         state_lib.hold(state, received)
-    _, (_, arrays), _, copies = state_lib.commit_of(state, None)
+    _, committed, _, copies = state_lib.commit_of(state, None)
     if copies is not None:
-        _restore(strategy, state, arrays, copies)
+        _restore(strategy, state, committed, copies)
         state.commit()
     elif received is not None:
         state.restore()

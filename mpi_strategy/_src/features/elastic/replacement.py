@@ -294,8 +294,9 @@ def _receive_commit(
     copies = None if header["sharded"] is None else sharded.newcomers_copies(header["sharded"])
     # (a sharded slot's shape here is its share of this rank's world, if any)
     elsewhere = {slot.position for slot in copies.slots} if copies else set()
+    named = sharded.positions_of(copies) if copies else []
     sent = [spec for k, spec in enumerate(specs) if k not in elsewhere]
-    if header["layout"] != _layout(sent) or max(elsewhere, default=-1) >= len(specs):
+    if header["layout"] != _layout(sent) or max(named, default=-1) >= len(specs):
         logger.error(
             "mpi_strategy.elastic: this replacement's state (shapes and dtypes %s) "
             "is not the survivors' (%s): the program must build the same state on "

@@ -42,7 +42,6 @@ from mpi_strategy._src.features.elastic import (
     recovery,
     regrowth as regrowth_lib,
     replacement,
-    sharded,
     state as state_lib,
     ulfm_exit,
 )
@@ -74,8 +73,6 @@ def run(
         raise ValueError(
             f"mpi_strategy.elastic.run: min_ranks must be an int >= 1, got {min_ranks!r}."
         )
-    if replace_lost and strategy.extended.shard:
-        sharded.check_regrowable(state_lib.trackables_of(state))
     where = os.fspath(directory)
 
     def decorate(train: Callable[..., Result]) -> Callable[..., Result]:

@@ -11,12 +11,14 @@ slot at a time, and each keeps its share of the partition over the survivors
 (``features/sharding.rebuild_slots``). When replacements join
 (``replace_lost=True``), the same ``restore`` cuts the slots for the grown
 world, the replacements holding no piece (``newcomers_copies``;
-``recovery.grown``).
+``recovery.grown``). Every rank builds each optimizer again over the
+variables the commit names (``Copies.built_with``): a replacement's, built in
+its world of one rank, has no partition of its own to rebuild by.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,13 +59,16 @@ class Slot:
 @dataclass(frozen=True)
 class Copies:
     """A commit's sharded slots: this rank's rank and the world size when it
-    was made, the slots, and the buddy's (rank - 1 mod size) pieces of them
-    (flat, by position)."""
+    was made, the slots, the buddy's (rank - 1 mod size) pieces of them (flat,
+    by position), and what each sharded optimizer was built with: (its
+    position among the state's optimizers, its variables' positions among the
+    commit's variables, in the order it was built with them)."""
 
     rank: int
     size: int
     slots: tuple[Slot, ...]
     buddy: dict[int, np.ndarray]
+    built_with: tuple[tuple[int, tuple[int, ...]], ...]
 
 
 NEWCOMER = -1  # the rank in ``Copies`` of a replacement: it held no piece
@@ -71,13 +76,15 @@ NEWCOMER = -1  # the rank in ``Copies`` of a replacement: it held no piece
 
 def described(copies: Copies) -> dict[str, Any]:
     """What a replacement needs of a survivor's ``copies`` (JSON-able): the
-    world size and the slots, not the pieces (``newcomers_copies``)."""
+    world size, the slots and what the optimizers were built with, not the
+    pieces (``newcomers_copies``)."""
     return {
         "size": copies.size,
         "slots": [
             [s.position, [list(p) for p in s.pieces], list(s.shape), tf.as_dtype(s.dtype).name]
             for s in copies.slots
         ],
+        "built_with": [[k, list(positions)] for k, positions in copies.built_with],
     }
 
 
@@ -93,51 +100,51 @@ def newcomers_copies(description: dict[str, Any]) -> Copies:
         )
         for position, pieces, shape, dtype in description["slots"]
     )
-    return Copies(NEWCOMER, description["size"], slots, {})
+    built_with = tuple((k, tuple(positions)) for k, positions in description["built_with"])
+    return Copies(NEWCOMER, description["size"], slots, {}, built_with)
+
+
+def positions_of(copies: Copies) -> list[int]:
+    """The positions among the commit's variables that ``copies`` names (of
+    its slots and of the variables the optimizers were built with)."""
+    return [s.position for s in copies.slots] + [p for _, ps in copies.built_with for p in ps]
 
 
 def check_supported(trackables: Sequence[Any]) -> None:
     """Raises (on every rank: at a commit) for a sharded optimizer whose
     slots ``restore`` cannot make again (``sharding.check_rebuildable``)."""
-    for optimizer in optimizers_of(trackables):
-        sharded_optimizers.check_rebuildable(optimizer)
+    for optimizer in optimizers(trackables):
+        if sharded_optimizers.plan_of(optimizer) is not None:
+            sharded_optimizers.check_rebuildable(optimizer)
 
 
-def optimizers_of(trackables: Sequence[Any]) -> list[Any]:
-    """The sharded optimizers among ``trackables`` (of a loss scale optimizer:
-    its inner one, which holds the slots)."""
-    return [t for t in _optimizers(trackables) if sharded_optimizers.plan_of(t) is not None]
+def optimizers(trackables: Sequence[Any]) -> list[Any]:
+    """The optimizers among ``trackables`` (of a loss scale optimizer: its
+    inner one, which holds the slots), in order."""
+    inner = [getattr(t, "inner_optimizer", t) for t in trackables]
+    return [t for t in inner if hasattr(t, "iterations")]
 
 
-def to_cut_anew(trackables: Sequence[Any]) -> list[Any]:
-    """The optimizers among ``trackables`` whose slots ``restore`` makes again:
-    the sharded ones, and those that would be sharded now (a replacement's,
-    built in its own world of one rank)."""
-    return [
-        t
-        for t in _optimizers(trackables)
-        if sharded_optimizers.plan_of(t) is not None or sharded_optimizers.shards_now(t)
-    ]
-
-
-def check_regrowable(trackables: Sequence[Any]) -> None:
-    """Raises (on every rank, as ``elastic.run`` starts) for a tf_keras
-    optimizer under ``replace_lost=True``: a replacement builds it in a world
-    of its own rank, where it keeps no list of the variables it was built with
-    to build it again with the others."""
-    for optimizer in _optimizers(trackables):
-        if sharded_optimizers.is_tf_keras(optimizer):
+def _built_with(
+    trackables: Sequence[Any], variables: Sequence[Any]
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``Copies.built_with`` of a commit of ``variables``; raises (on every
+    rank) for a sharded optimizer built with a variable not among them."""
+    position = {id(v): k for k, v in enumerate(variables)}
+    built = []
+    for k, optimizer in enumerate(optimizers(trackables)):
+        plan = sharded_optimizers.plan_of(optimizer)
+        if plan is None:
+            continue
+        missing = [v.name for v in plan.variables if id(v) not in position]
+        if missing:
             raise MPIStrategyError(
-                "mpi_strategy.elastic.run: replace_lost=True with a tf_keras optimizer "
-                f"({type(optimizer).__name__}) under MPIStrategy(shard=...): its replacements "
-                "could not make its slots again with the survivors. Shrinking works (leave "
-                "replace_lost out), as does Keras 3's optimizer, or MPIStrategy() without shard=."
+                f"mpi_strategy.elastic: the sharded optimizer {type(optimizer).__name__} "
+                f"was built with variables that are not in the State ({', '.join(missing)}): "
+                "pass elastic.State the models it trains too."
             )
-
-
-def _optimizers(trackables: Sequence[Any]) -> list[Any]:
-    optimizers = [getattr(t, "inner_optimizer", t) for t in trackables]
-    return [t for t in optimizers if hasattr(t, "iterations")]
+        built.append((k, tuple(position[id(v)] for v in plan.variables)))
+    return tuple(built)
 
 
 def held_elsewhere(variable: Any) -> bool:
@@ -146,15 +153,19 @@ def held_elsewhere(variable: Any) -> bool:
     return held is not None and held.here is None
 
 
-def copy_to_buddy(variables: Sequence[Any], arrays: Sequence[Any]) -> Copies | None:
-    """For a commit of ``variables`` (``arrays``: their values, None for a
-    slot held elsewhere): the ``Copies`` of its sharded slots, after this rank
-    sent its pieces to rank + 1 and received rank - 1's (one all-to-all per
-    dtype over the optimizer's ranks: collective); None if none is sharded."""
+def copy_to_buddy(
+    trackables: Sequence[Any], variables: Sequence[Any], arrays: Sequence[Any]
+) -> Copies | None:
+    """For a commit of ``variables`` of ``trackables`` (``arrays``: their
+    values, None for a slot held elsewhere): the ``Copies`` of its sharded
+    slots and optimizers, after this rank sent its pieces to rank + 1 and
+    received rank - 1's (one all-to-all per dtype over the optimizer's ranks:
+    collective); None if none is sharded."""
     marked = [(k, sharding.held(v)) for k, v in enumerate(variables)]
     helds = [(k, held) for k, held in marked if held is not None]
     if not helds:
         return None
+    built_with = _built_with(trackables, variables)  # (may raise: before the exchange)
     ordered = helds[0][1].ordered
     slots = tuple(
         Slot(
@@ -169,7 +180,7 @@ def copy_to_buddy(variables: Sequence[Any], arrays: Sequence[Any]) -> Copies | N
     for dtype in sorted({s.dtype for s in slots}, key=str):
         of_dtype = [s for s in slots if s.dtype == dtype]
         buddy.update(_exchange(ordered, of_dtype, arrays, dtype))
-    return Copies(ordered.rank, ordered.size, slots, buddy)
+    return Copies(ordered.rank, ordered.size, slots, buddy, built_with)
 
 
 def _exchange(
@@ -201,24 +212,29 @@ def _flat(array: Any) -> np.ndarray:
 
 def restore(
     strategy: MPIStrategy,
-    optimizers: Sequence[Any],
-    variables_now: Any,
-    arrays: Sequence[Any],
+    trackables: Sequence[Any],
+    variables_now: Callable[[], Sequence[Any]],
+    commit: tuple[Sequence[Any], Sequence[Any]],
     copies: Copies,
 ) -> None:
     """After a recovery (collective over the survivors, the strategy spanning
     them), or a join (the survivors and replacements, whose ``copies`` are
-    ``newcomers_copies``): the ``optimizers`` make their slots again for them
-    (``variables_now()`` then lists the state's variables, as the commit
-    did), the variables are set to the commit's ``arrays``, and each sharded
-    slot is put together from the survivors that hold its pieces (their own
-    or their lost buddy's) and cut for the ranks now. Raises
-    ``ShardLostError`` on every survivor if a piece is on no survivor."""
+    ``newcomers_copies``): the sharded optimizers of ``trackables`` make their
+    slots again for them, each over the variables it was built with
+    (``copies.built_with``, among the ``commit``'s variables), after which
+    ``variables_now()`` lists the state's variables, as the commit did; they
+    are set to the commit's arrays, and each sharded slot is put together
+    from the survivors that hold its pieces (their own or their lost buddy's)
+    and cut for the ranks now. Raises ``ShardLostError`` on every survivor if
+    a piece is on no survivor."""
     ordered = strategy.extended.ordered_comm
     was = ordered.allgather(tf.constant([copies.rank], tf.int64)).numpy().tolist()
     _check_recoverable(copies.size, was)
-    for optimizer in optimizers:
-        sharded_optimizers.rebuild_slots(optimizer, strategy)
+    committed, arrays = commit
+    listed = optimizers(trackables)
+    for k, positions in copies.built_with:
+        built_with = [committed[p] for p in positions]
+        sharded_optimizers.rebuild_slots(listed[k], strategy, built_with)
     variables = variables_now()
     if len(variables) != len(arrays):
         raise MPIStrategyError(

@@ -56,7 +56,7 @@ class State:
         held = [v for v in variables if not sharded.held_elsewhere(v)]
         read = dict(zip(map(id, held), _read(held)))
         arrays = [read.get(id(v)) for v in variables]
-        copies = sharded.copy_to_buddy(variables, arrays)
+        copies = sharded.copy_to_buddy(self._trackables, variables, arrays)
         object.__setattr__(self, "_number", self._number + 1)
         self._commits.append((self._number, (variables, arrays), dict(self._values), copies))
         del self._commits[:-_COMMITS_KEPT]
