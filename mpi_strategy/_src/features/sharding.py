@@ -274,11 +274,17 @@ def _shadow(
         return make(shape, variable.dtype, name)
 
 
+def holding_slots(optimizer: Any) -> Any:
+    """The optimizer that holds ``optimizer``'s slots: a loss scale
+    optimizer's inner one (Keras 3's or tf_keras's), else itself."""
+    return getattr(optimizer, "inner_optimizer", optimizer)
+
+
 def built(optimizer: Any) -> bool:
     """Whether a Keras 3 or tf_keras optimizer (or a loss scale optimizer's
     inner one) has made its slots; True for another object (tf_keras's legacy
     optimizers make theirs at their first step)."""
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    optimizer = holding_slots(optimizer)
     if _kind_of(optimizer) is _TF_KERAS:
         return bool(getattr(optimizer, _keras_internal.TF_KERAS_OPTIMIZER_BUILT, False))
     return bool(getattr(optimizer, "built", True))

@@ -121,7 +121,7 @@ def check_supported(trackables: Sequence[Any]) -> None:
 def optimizers(trackables: Sequence[Any]) -> list[Any]:
     """The optimizers among ``trackables`` (of a loss scale optimizer: its
     inner one, which holds the slots), in order."""
-    inner = [getattr(t, "inner_optimizer", t) for t in trackables]
+    inner = [sharded_optimizers.holding_slots(t) for t in trackables]
     return [t for t in inner if hasattr(t, "iterations")]
 
 
