@@ -53,9 +53,7 @@ class State:
         # Listed at every commit: optimizers create their slots at the first step.
         variables = variables_of(self._trackables)
         sharded.check_supported(self._trackables)  # (on every rank, at the first commit)
-        held = [v for v in variables if not sharded.held_elsewhere(v)]
-        read = dict(zip(map(id, held), _read(held)))
-        arrays = [read.get(id(v)) for v in variables]
+        arrays = _read(variables)
         copies = sharded.copy_to_buddy(self._trackables, variables, arrays)
         object.__setattr__(self, "_number", self._number + 1)
         self._commits.append((self._number, (variables, arrays), dict(self._values), copies))
@@ -172,12 +170,19 @@ def variables_of(trackables: tuple[Any, ...]) -> list[tf.Variable]:
     return variables
 
 
-def _read(variables: list[tf.Variable]) -> list[tf.Tensor]:
-    """Snapshots of the variables' values in host memory (not an accelerator's),
-    read in one traced function rather than one eager read per distributed
-    variable, whose fixed cost would dominate a small model's commit. The
-    tensors are immutable: a later update of a variable on the host copies its
-    buffer first (copy on write), so no copy is made here for CPU variables."""
+def _read(variables: list[tf.Variable]) -> list[tf.Tensor | None]:
+    """Snapshots of the variables' values in host memory (not an accelerator's;
+    None for a sharded slot this rank holds none of), read in one traced
+    function rather than one eager read per distributed variable, whose fixed
+    cost would dominate a small model's commit. The tensors are immutable: a
+    later update of a variable on the host copies its buffer first (copy on
+    write), so no copy is made here for CPU variables."""
+    held = [v for v in variables if not sharded.held_elsewhere(v)]
+    read = dict(zip(map(id, held), _read_held(held)))
+    return [read.get(id(v)) for v in variables]
+
+
+def _read_held(variables: list[tf.Variable]) -> list[tf.Tensor]:
     key = tuple(id(v) for v in variables)
     if _state().reader_key != key:
 
