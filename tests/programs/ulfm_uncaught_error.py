@@ -1,7 +1,8 @@
 """Run by tests/launchers/features/elastic/test_elastic.py under ULFM: rank
-``--rank`` raises an uncaught error at step ``--step``; the others must not wait
-for it. ``--elastic``: the loop runs inside elastic.run (the others go on
-without the rank), else the job ends with a non-zero status.
+``--rank`` (-1: every rank) raises an uncaught error of its own at step
+``--step``; the others must not wait for it. ``--elastic``: the loop runs
+inside elastic.run (the others go on without the rank), else the job ends with
+a non-zero status (so does it, at any rate, when every rank raises).
 ``--killed-before-strategy``: the rank is SIGKILLed before MPIStrategy() (the
 job ends, status 1; the others print EXIT_HANDLERS_RAN if they leave through
 Python's exit handlers, after which MPI_Finalize may wait for the dead rank).
@@ -37,7 +38,7 @@ def main():
 
     def train(state):
         while state.step < 10:
-            if state.step == args.step and start_rank == args.rank:
+            if state.step == args.step and args.rank in (start_rank, -1):
                 raise ValueError(f"an error of rank {start_rank} alone")
             total = strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
             counter.assign_add(total)

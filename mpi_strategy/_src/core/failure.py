@@ -9,7 +9,8 @@ whole MPI job (as ``python -m mpi4py`` does), so it fails in seconds.
 Launched with ULFM (``mpirun --with-ft ulfm``, for elastic training), the rank
 leaves differently: MPI_Abort called by several ranks at once can hang Open
 MPI 5.0's launcher, and a rank that exits with a non-zero status is not
-reported to the others (they would wait for it). See ``_leave_under_ulfm``.
+reported to the others (they would wait for it), while one killed by a signal
+does not count in ``mpirun``'s exit status. See ``_leave_under_ulfm``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,19 @@ from mpi4py import MPI
 
 from mpi_strategy._src.core.errors import RanksLostError, TooFewRanksError
 from mpi_strategy._src.core.process import PROCESS
-from mpi_strategy._src.core.ulfm import is_process_failure, is_replacement, ulfm_launch
+from mpi_strategy._src.core.ulfm import (
+    is_process_failure,
+    is_replacement,
+    known_dead,
+    ulfm_launch,
+)
+
+# Under ULFM, how long the highest rank alive that dies of its own error waits
+# to learn that the lower ranks died too (then it ends with status 1, see
+# ``_leave_under_ulfm``). Measured: 60-270 ms with 2 or 3 TensorFlow ranks
+# raising at once on 2 cores (the lower ranks die at once); a busy machine
+# gets 20 times that.
+_LOWER_RANKS_WAIT_S = 5.0
 
 
 class MayFail(Protocol):
@@ -68,6 +81,7 @@ def arm(comm: MPI.Comm) -> None:
     the survivors must learn of its death), an uncaught exception ends the job."""
     if comm.Get_size() > 1 or is_replacement():
         PROCESS.failure_armed = True
+        PROCESS.failure_comm = comm
 
 
 def armed() -> bool:
@@ -110,7 +124,10 @@ def _what_happens_now(exc: BaseException) -> str:
         return "aborting the MPI job"
     if _every_living_rank_raises(exc):
         return "this rank ends with status 1, as every living rank does,"
-    return "this rank kills itself (SIGKILL: the others learn of it)"
+    return (
+        "this rank kills itself (SIGKILL: the others learn of it; "
+        "the last rank alive ends with status 1)"
+    )
 
 
 def _every_living_rank_raises(exc: BaseException) -> bool:
@@ -131,9 +148,41 @@ def _leave_under_ulfm(exc: BaseException) -> None:
     status 1, which the launcher reports. A rank's own error kills it with
     SIGKILL: the others learn of it in their next collective (ULFM reports
     a death by signal, not a non-zero exit status), and go on without it inside
-    ``elastic.run`` or end with status 1 outside. If every rank dies of its own
-    error at once, Open MPI's launcher exits with status 0 (it tolerates deaths
-    by signal under ULFM): the tracebacks say what happened."""
-    if _every_living_rank_raises(exc):
+    ``elastic.run`` or end with status 1 outside.
+
+    Open MPI's launcher (PRRTE 3, its errmgr/dvm) does not count a death by
+    signal in ``mpirun``'s exit status under ULFM (a recoverable job), only a
+    non-zero exit, and offers no option to count it. So the last rank alive
+    (of the communicator last armed), which has no one left to tell, ends with
+    status 1: else a job whose every rank died of its own error (the same bug
+    on each) would end with status 0. Every rank raising at once is the usual case, and
+    then none knows the others dead yet: so the highest rank not known dead
+    waits (up to ``_LOWER_RANKS_WAIT_S``) to learn that the lower ones died,
+    and they die at once (none waits for a rank that may never die). Inside
+    ``elastic.run`` the survivors of that rank's own error go on that much
+    later; on a machine slower than that wait, a job whose every rank failed
+    may still end with status 0, as before, never a hang."""
+    if _every_living_rank_raises(exc) or _the_last_alive():
         os._exit(1)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _the_last_alive() -> bool:
+    """True once every other rank of the communicator last armed is known
+    dead; the highest rank not known dead waits for the lower ones (see
+    ``_leave_under_ulfm``). False in a replacement not joined yet (alone in
+    its world: the survivors must learn of its death)."""
+    comm, deadline = PROCESS.failure_comm, time.monotonic() + _LOWER_RANKS_WAIT_S
+    try:
+        if comm in (None, MPI.COMM_NULL) or (comm.Get_size() == 1 and is_replacement()):
+            return False
+        rank = comm.Get_rank()
+        alive = set(range(comm.Get_size())) - {rank}
+        while alive:
+            alive -= known_dead(comm)
+            if (alive and max(alive) > rank) or time.monotonic() > deadline:
+                return not alive
+            time.sleep(0.01)
+    except (MPI.Exception, NotImplementedError):  # (freed, or no ULFM query: as before)
+        return False
+    return True

@@ -38,6 +38,9 @@ class Process:
 
     # failure.py: the abort on an unhandled error is armed; an abort is under way
     failure_armed: bool = False
+    # failure.py: the communicator last armed (an ``MPI.Intracomm``): under ULFM
+    # the last of its ranks alive to die of its own error ends with status 1
+    failure_comm: Any = None
     aborting: bool = False
     # failure.py: tests, registered by upper layers at import, of an exception
     # that every rank raised alike (no abort for it)

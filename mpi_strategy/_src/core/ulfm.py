@@ -78,6 +78,19 @@ def all_agree(comm: MPI.Intracomm, mine: bool) -> bool:
         return False
 
 
+def known_dead(comm: MPI.Comm) -> set[int]:
+    """The ranks of ``comm`` that this process knows dead (ULFM), without
+    waiting for any other rank. Failure notices reach the library only while
+    MPI progresses: a probe of ``COMM_SELF`` first lets it."""
+    MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+    failed, group = comm.Get_failed(), comm.Get_group()
+    try:
+        return set(MPI.Group.Translate_ranks(failed, range(failed.Get_size()), group))
+    finally:
+        failed.Free()
+        group.Free()
+
+
 def meet_the_living(comm: MPI.Intracomm) -> bool:
     """ULFM's agreement: returns on every living rank; False where it saw a
     rank of ``comm`` dead."""

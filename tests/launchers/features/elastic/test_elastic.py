@@ -378,6 +378,19 @@ def test_an_uncaught_error_on_one_rank_leaves_no_rank_waiting(elastic):
         assert "RanksLostError" in out, out[-3000:]
 
 
+@pytest.mark.single_process
+@pytest.mark.parametrize("n", [2, 3])
+def test_an_uncaught_error_on_every_rank_ends_the_job_with_status_1(n):
+    # Each rank's own error (the same bug on every rank): a death by signal
+    # does not count in mpirun's exit status under ULFM, so the last rank alive
+    # ends with status 1, else a job whose every rank failed would succeed.
+    _needs_ulfm()
+    args = ["--elastic", "--rank", "-1"]
+    _, out = _launch(n, example=program("ulfm_uncaught_error.py"), args=args, status=1)
+    for rank in range(n):
+        assert f"ValueError: an error of rank {rank} alone" in out, out[-3000:]
+
+
 def _regrow(*args, keras="keras"):
     """3 ranks; rank 2 lost at step 15, rank 1 at step 25: after the first
     replacement joined (at commit #3, step 20), before the next commit. The
