@@ -398,12 +398,16 @@ KERAS3_OPTIMIZER_VARIABLES = "_variables"
 # list cut in place could not be checkpointed), its flag of a build done, the
 # children its checkpoint cached (of the old slots), and what Nadam's build
 # makes outside its variables (its product of the momentum schedule, advanced
-# in its update_step; kept: it is not in the elastic state to be set again).
+# in its update_step, and the Python count of its updates that tells whether
+# the step's product is made already; kept: the elastic state sets the
+# product, features/elastic/state.py, not the count).
 TF_KERAS_OPTIMIZER_AT_INIT = ("_iterations",)
 TF_KERAS_OPTIMIZER_VARIABLES = "_variables"
 TF_KERAS_OPTIMIZER_BUILT = "_built"
 TF_KERAS_OPTIMIZER_CHECKPOINT_CHILDREN = "_coalesced_children"
-TF_KERAS_OPTIMIZER_BUILT_OUTSIDE_VARIABLES = ("_u_product", "_u_product_counter")
+TF_KERAS_NADAM_PRODUCT = "_u_product"
+TF_KERAS_NADAM_PRODUCT_COUNT = "_u_product_counter"
+TF_KERAS_OPTIMIZER_BUILT_OUTSIDE_VARIABLES = (TF_KERAS_NADAM_PRODUCT, TF_KERAS_NADAM_PRODUCT_COUNT)
 OVERRIDDEN_METHODS = (
     BATCH_NORM_MOMENTS,
     TF_KERAS_BATCH_NORM_MOMENTS,

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -490,6 +491,7 @@ def rebuild_slots(
     if kind is None or built_with is None:
         raise MPIStrategyError(f"mpi_strategy: {optimizer!r} is not a sharded optimizer.")
     built_with = list(built_with)
+    _check_same_built_with(optimizer, strategy.extended.ordered_comm, built_with)
     kept = _kept_at_rebuild(optimizer)
     outside = {n: getattr(optimizer, n) for n in kind.kept_by_rebuild if hasattr(optimizer, n)}
     kind.unbuild(optimizer, kept)
@@ -498,6 +500,44 @@ def rebuild_slots(
         optimizer.build(built_with)
     for name, value in outside.items():
         setattr(optimizer, name, value)
+
+
+def _check_same_built_with(optimizer: Any, ordered: OrderedComm, built_with: list[Any]) -> None:
+    """Raises on every rank (one all-gather) if the ranks would build
+    ``optimizer`` again over variables of other shapes or in another order:
+    another partition. Checked before the build, which leaves the optimizer
+    as it was; ``check_same_partition`` would raise only at the next
+    collective, naming that one."""
+    mine = json.dumps([[list(v.shape), tf.as_dtype(v.dtype).name] for v in built_with]).encode()
+    sizes, gathered = ordered.allgather_many(
+        [tf.constant([len(mine)], tf.int64), tf.constant(np.frombuffer(mine, np.uint8))]
+    )
+    ends = np.cumsum(sizes.numpy())[:-1]
+    every = [json.loads(bytes(b)) for b in np.split(gathered.numpy(), ends)]
+    differ = [_first_difference(r, every[r], every[0]) for r in range(1, len(every))]
+    if any(differ):
+        raise MPIStrategyError(
+            f"mpi_strategy: the ranks would make {type(optimizer).__name__}'s sharded slots "
+            "again over different variables, which would cut them differently: "
+            f"{'; '.join(filter(None, differ))}. Every rank builds it over the same "
+            "variables (shape, dtype), in the same order."
+        )
+
+
+def _first_difference(rank: int, built: list[Any], first: list[Any]) -> str:
+    """Where ``rank``'s variables (``built``) first differ from rank 0's ('' if nowhere)."""
+    if built == first:
+        return ""
+    at = next(
+        (i for i, (a, b) in enumerate(zip(built, first)) if a != b), min(map(len, (built, first)))
+    )
+    here, there = (
+        f"{tuple(x[at][0])} {x[at][1]}" if at < len(x) else "none" for x in (built, first)
+    )
+    return (
+        f"rank {rank}'s {len(built)} variables differ from rank 0's {len(first)} first at "
+        f"#{at}: {here} there, {there} on rank 0"
+    )
 
 
 def _keras() -> Any:

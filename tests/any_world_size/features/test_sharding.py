@@ -922,6 +922,21 @@ def test_slots_made_again_for_other_ranks_train_on_as_unsharded(monkeypatch, k=t
 
 
 @partitioned
+def test_slots_made_again_over_other_variables_on_a_rank_raise_on_every_rank(sharded):
+    """Another order on one rank would cut them differently: raised as the
+    rebuild starts, not at the next collective (which could be training's)."""
+    with sharded.scope():
+        model = _model(tf_keras)
+        optimizer = tf_keras.optimizers.Adam()
+        optimizer.build(model.trainable_variables)
+    variables = list(model.trainable_variables)
+    reversed_here = variables[::-1] if RANK == SIZE - 1 else variables
+    with pytest.raises(MPIStrategyError, match=rf"rank {SIZE - 1}'s 6 variables differ .* #0: "):
+        rebuild_slots(optimizer, sharded, reversed_here)
+    rebuild_slots(optimizer, sharded, variables)  # (left as it was: made again)
+
+
+@partitioned
 def test_a_tf_keras_legacy_optimizer_raises_on_every_rank(sharded):
     """Its slots are made at its first step (in a replica context here)."""
     with sharded.scope():

@@ -62,6 +62,46 @@ def test_state_commits_and_restores_variables_slots_and_values():
         state.restore(2)  # dropped by the rollback
 
 
+def _nadam_weights_after_five_steps(shard, traced, restore):
+    """tf_keras Nadam's weights after 5 steps; ``restore``: 2 steps more after
+    the commit at step 2, then set back to it."""
+    strategy = mpi_strategy.MPIStrategy(shard=shard, devices=local_devices())
+    with strategy.scope():
+        model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
+        model.set_weights([np.full((3, 2), 0.5, np.float32), np.zeros(2, np.float32)])
+        optimizer = tf_keras.optimizers.Nadam(0.1)
+    state = mpi_strategy.elastic.State(model, optimizer)
+    mpi_strategy._src.features.elastic.run._build_optimizers(strategy, (model, optimizer))
+
+    def replica_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(tf.ones([2, 3])) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    step = tf.function(replica_step) if traced else replica_step  # (traced once)
+    for steps in (2, "commit", 2, "restore", 3) if restore else (2, "commit", 3):
+        if steps in ("commit", "restore"):
+            getattr(state, steps)()
+            continue
+        for _ in range(steps):
+            strategy.run(step)
+    return [v.numpy() for v in model.variables]
+
+
+@pytest.mark.parametrize(
+    "shard, traced", [(None, True), (None, False), ("optimizer", True)], ids=str
+)
+def test_a_restore_sets_tf_keras_nadams_product_back(shard, traced):
+    # Nadam's product of its momentum schedule (and the Python count of its
+    # updates, which its eager update reads) is not among its variables.
+    interrupted = _nadam_weights_after_five_steps(shard, traced, restore=True)
+    for got, want in zip(
+        interrupted, _nadam_weights_after_five_steps(shard, traced, restore=False), strict=True
+    ):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_run_makes_tf_keras_slots_before_the_first_commit():
     # (As Keras 3's: a rollback to the first commit resets them; a sharded
     # optimizer's are cut for the survivors, not left on the lost ranks.)
