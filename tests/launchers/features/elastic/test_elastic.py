@@ -391,15 +391,15 @@ def test_an_uncaught_error_on_every_rank_ends_the_job_with_status_1(n):
         assert f"ValueError: an error of rank {rank} alone" in out, out[-3000:]
 
 
-def _regrow(*args, keras="keras"):
-    """3 ranks; rank 2 lost at step 15, rank 1 at step 25: after the first
-    replacement joined (at commit #3, step 20), before the next commit. The
-    survivors wait at their commits until the replacements are ready
-    (tests/programs/replacements_awaited.py): each joins at the first commit
-    after its recovery, however long it takes to start."""
+def _regrow(*args, keras="keras", n=3, kills=("2@15", "1@25")):
+    """By default 3 ranks; rank 2 lost at step 15, rank 1 at step 25: after
+    the first replacement joined (at commit #3, step 20), before the next
+    commit. The survivors wait at their commits until the replacements are
+    ready (tests/programs/replacements_awaited.py): each joins at the first
+    commit after its recovery, however long it takes to start."""
     args = (EXAMPLE, *STEPS, "--replace-lost", *args)
     example = program("replacements_awaited.py")
-    return _launch(3, ["2@15", "1@25"], example=example, args=args, keras=keras)
+    return _launch(n, kills, example=example, args=args, keras=keras)
 
 
 @pytest.fixture(scope="module")
@@ -453,6 +453,24 @@ def test_a_sharded_optimizer_is_cut_anew_when_replacements_join(regrown, shard, 
     # (The join commits again, after the cut: #4 and #6.)
     assert (got["ranks_at_end"], _commits(got)) == (3, ([2, 4], [4, 6])), out[-3000:]
     _assert_as_unsharded(got, want, shard)
+
+
+@pytest.mark.single_process
+def test_two_replacements_joining_at_once_cut_a_sharded_optimizer_anew():
+    # 4 ranks; ranks 1 and 3 lost at step 15, not neighbours (each one's
+    # copy of its shares is on the next rank, which survives): ranks 0 and 2
+    # go on with half each, and both replacements join at one commit, where
+    # the slots are cut anew for 4 ranks. Bit for bit the unsharded run with
+    # the same losses (whose join commits once: #3; the sharded one's commits
+    # again after the cut: #4).
+    _needs_ulfm()
+    two_at_once = dict(n=4, kills=("1@15", "3@15"))
+    want, _ = _regrow(**two_at_once)
+    got, out = _regrow("--shard", "optimizer", **two_at_once)
+    joins = [(r["ranks_before"], r["ranks_after"]) for r in got["replacements"]]
+    assert (got["ranks_at_end"], joins, _commits(got)) == (4, [(2, 4)], ([2], [4])), out[-3000:]
+    assert _commits(want) == ([2], [3]), want
+    _assert_as_unsharded(got, want, "optimizer")
 
 
 @pytest.mark.single_process
