@@ -130,11 +130,14 @@ class _Kind:
     make: Callable[..., Any]  # (shape, dtype, name) -> a shadow
     positions: str  # the optimizer's dict of its variables' positions, by its _var_key
     # rebuild_slots: the attributes of the variables made before the build
-    # (kept), how the variables after them are dropped (and the build undone),
-    # and what the build makes outside the variables, kept.
+    # (kept), how the variables after them are dropped (and the build undone).
     at_init: tuple[str, ...]
     unbuild: Callable[[Any, list[Any]], None]  # (optimizer, kept variables)
-    kept_by_rebuild: tuple[str, ...] = ()
+    # What the build makes outside the variables (rebuild_slots keeps it): the
+    # attributes of variables its updates advance (``outside_variables``) and
+    # of Python counts of its updates, which they read (``count_updates``).
+    updated_outside: tuple[str, ...] = ()
+    update_counts: tuple[str, ...] = ()
 
 
 def _kind_of(optimizer: Any) -> _Kind | None:
@@ -332,8 +335,34 @@ _TF_KERAS = _Kind(
     _keras_internal.TF_KERAS_OPTIMIZER_INDICES,
     _keras_internal.TF_KERAS_OPTIMIZER_AT_INIT,
     _tf_keras_unbuild,
-    _keras_internal.TF_KERAS_OPTIMIZER_BUILT_OUTSIDE_VARIABLES,
+    (_keras_internal.TF_KERAS_NADAM_PRODUCT,),
+    (_keras_internal.TF_KERAS_NADAM_PRODUCT_COUNT,),
 )
+
+
+def outside_variables(optimizer: Any) -> list[Any]:
+    """The variables a Keras optimizer's updates advance that its
+    ``variables`` do not list (tf_keras Nadam's product of its momentum
+    schedule; Keras 3's lists its own); [] for another object. The same on
+    every rank (made alike by every rank's build)."""
+    inner = holding_slots(optimizer)
+    kind = _kind_of(inner)
+    found = [getattr(inner, name, None) for name in (kind.updated_outside if kind else ())]
+    listed = {id(v) for v in inner.variables} if found else set()
+    return [v for v in found if isinstance(v, tf.Variable) and id(v) not in listed]
+
+
+def count_updates(optimizer: Any) -> None:
+    """After a Keras optimizer's variables (and ``outside_variables``) were
+    set back: sets its Python counts of its updates (tf_keras Nadam's, which
+    its eager update reads to tell whether the step's product is made
+    already; a tf.function reads it as it traces) to its step count + 1, the
+    count at the start of a step, the same on every rank. Nothing for another object."""
+    inner = holding_slots(optimizer)
+    kind = _kind_of(inner)
+    for name in kind.update_counts if kind else ():
+        if hasattr(inner, name):
+            setattr(inner, name, int(inner.iterations.numpy()) + 1)
 
 
 def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -493,7 +522,8 @@ def rebuild_slots(
     built_with = list(built_with)
     _check_same_built_with(optimizer, strategy.extended.ordered_comm, built_with)
     kept = _kept_at_rebuild(optimizer)
-    outside = {n: getattr(optimizer, n) for n in kind.kept_by_rebuild if hasattr(optimizer, n)}
+    names = (*kind.updated_outside, *kind.update_counts)
+    outside = {n: getattr(optimizer, n) for n in names if hasattr(optimizer, n)}
     kind.unbuild(optimizer, kept)
     optimizer.__dict__.pop(_PLAN, None)
     with strategy.scope():
