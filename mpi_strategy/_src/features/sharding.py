@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import json
 import sys
 from collections import deque
@@ -504,7 +505,10 @@ def _kept_at_rebuild(optimizer: Any) -> list[Any]:
 
 
 def rebuild_slots(
-    optimizer: Any, strategy: MPIStrategy, built_with: Sequence[Any] | None = None
+    optimizer: Any,
+    strategy: MPIStrategy,
+    built_with: Sequence[Any] | None = None,
+    positions: Sequence[int] = (),
 ) -> None:
     """Makes a sharded optimizer's slots (Keras 3's or tf_keras's) anew for
     the ranks that ``strategy`` spans now (elastic training, after lost
@@ -513,14 +517,17 @@ def rebuild_slots(
     with ``built_with`` (default: the variables of its partition; a
     replacement's, built in its world of one rank, has none: the survivors
     name them); each rank then holds its share of the new partition (at their
-    initial values: the caller sets them)."""
+    initial values: the caller sets them). ``positions``: where ``built_with``
+    are in a list every rank holds alike (elastic training: the commit's),
+    compared too: two variables of one shape swapped on a rank would be cut
+    alike, each slot then set from the other's values."""
     plan, kind = plan_of(optimizer), _kind_of(optimizer)
     if built_with is None and plan is not None:
         built_with = plan.variables
     if kind is None or built_with is None:
         raise MPIStrategyError(f"mpi_strategy: {optimizer!r} is not a sharded optimizer.")
     built_with = list(built_with)
-    _check_same_built_with(optimizer, strategy.extended.ordered_comm, built_with)
+    _check_same_built_with(optimizer, strategy.extended.ordered_comm, built_with, positions)
     kept = _kept_at_rebuild(optimizer)
     names = (*kind.updated_outside, *kind.update_counts)
     outside = {n: getattr(optimizer, n) for n in names if hasattr(optimizer, n)}
@@ -532,13 +539,19 @@ def rebuild_slots(
         setattr(optimizer, name, value)
 
 
-def _check_same_built_with(optimizer: Any, ordered: OrderedComm, built_with: list[Any]) -> None:
+def _check_same_built_with(
+    optimizer: Any, ordered: OrderedComm, built_with: list[Any], positions: Sequence[int]
+) -> None:
     """Raises on every rank (one all-gather) if the ranks would build
-    ``optimizer`` again over variables of other shapes or in another order:
-    another partition. Checked before the build, which leaves the optimizer
+    ``optimizer`` again over variables of other shapes or in another order
+    (another partition), or at other ``positions`` (each slot set from
+    another variable's). Checked before the build, which leaves the optimizer
     as it was; ``check_same_partition`` would raise only at the next
     collective, naming that one."""
-    mine = json.dumps([[list(v.shape), tf.as_dtype(v.dtype).name] for v in built_with]).encode()
+    at = positions or itertools.repeat(None)
+    mine = json.dumps(
+        [[list(v.shape), tf.as_dtype(v.dtype).name, p] for v, p in zip(built_with, at)]
+    ).encode()
     sizes, gathered = ordered.allgather_many(
         [tf.constant([len(mine)], tf.int64), tf.constant(np.frombuffer(mine, np.uint8))]
     )
@@ -548,9 +561,10 @@ def _check_same_built_with(optimizer: Any, ordered: OrderedComm, built_with: lis
     if any(differ):
         raise MPIStrategyError(
             f"mpi_strategy: the ranks would make {type(optimizer).__name__}'s sharded slots "
-            "again over different variables, which would cut them differently: "
+            "again over different variables (cut differently, or each slot set from "
+            "another variable's values): "
             f"{'; '.join(filter(None, differ))}. Every rank builds it over the same "
-            "variables (shape, dtype), in the same order."
+            "variables (shape, dtype, position where given), in the same order."
         )
 
 
@@ -561,13 +575,17 @@ def _first_difference(rank: int, built: list[Any], first: list[Any]) -> str:
     at = next(
         (i for i, (a, b) in enumerate(zip(built, first)) if a != b), min(map(len, (built, first)))
     )
-    here, there = (
-        f"{tuple(x[at][0])} {x[at][1]}" if at < len(x) else "none" for x in (built, first)
-    )
+    here, there = (_described(x[at]) if at < len(x) else "none" for x in (built, first))
     return (
         f"rank {rank}'s {len(built)} variables differ from rank 0's {len(first)} first at "
         f"#{at}: {here} there, {there} on rank 0"
     )
+
+
+def _described(variable: list[Any]) -> str:
+    """'(3, 2) float32', and ' (position 4)' where its position is given."""
+    shape, dtype, position = variable
+    return f"{tuple(shape)} {dtype}" + ("" if position is None else f" (position {position})")
 
 
 def _keras() -> Any:

@@ -235,7 +235,7 @@ def restore(
     listed = optimizers(trackables)
     for k, positions in copies.built_with:
         built_with = [committed[p] for p in positions]
-        sharded_optimizers.rebuild_slots(listed[k], strategy, built_with)
+        sharded_optimizers.rebuild_slots(listed[k], strategy, built_with, positions)
     variables = variables_now()
     if len(variables) != len(arrays):
         raise MPIStrategyError(
