@@ -400,14 +400,13 @@ KERAS3_OPTIMIZER_VARIABLES = "_variables"
 # makes outside its variables (its product of the momentum schedule, advanced
 # in its update_step, and the Python count of its updates that tells whether
 # the step's product is made already; kept: the elastic state sets the
-# product, features/elastic/state.py, not the count).
+# product back and the count from the step count, features/sharding._Kind).
 TF_KERAS_OPTIMIZER_AT_INIT = ("_iterations",)
 TF_KERAS_OPTIMIZER_VARIABLES = "_variables"
 TF_KERAS_OPTIMIZER_BUILT = "_built"
 TF_KERAS_OPTIMIZER_CHECKPOINT_CHILDREN = "_coalesced_children"
 TF_KERAS_NADAM_PRODUCT = "_u_product"
 TF_KERAS_NADAM_PRODUCT_COUNT = "_u_product_counter"
-TF_KERAS_OPTIMIZER_BUILT_OUTSIDE_VARIABLES = (TF_KERAS_NADAM_PRODUCT, TF_KERAS_NADAM_PRODUCT_COUNT)
 OVERRIDDEN_METHODS = (
     BATCH_NORM_MOMENTS,
     TF_KERAS_BATCH_NORM_MOMENTS,

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import json
 import sys
 from collections import deque
@@ -130,11 +131,14 @@ class _Kind:
     make: Callable[..., Any]  # (shape, dtype, name) -> a shadow
     positions: str  # the optimizer's dict of its variables' positions, by its _var_key
     # rebuild_slots: the attributes of the variables made before the build
-    # (kept), how the variables after them are dropped (and the build undone),
-    # and what the build makes outside the variables, kept.
+    # (kept), how the variables after them are dropped (and the build undone).
     at_init: tuple[str, ...]
     unbuild: Callable[[Any, list[Any]], None]  # (optimizer, kept variables)
-    kept_by_rebuild: tuple[str, ...] = ()
+    # What the build makes outside the variables (rebuild_slots keeps it): the
+    # attributes of variables its updates advance (``outside_variables``) and
+    # of Python counts of its updates, which they read (``count_updates``).
+    updated_outside: tuple[str, ...] = ()
+    update_counts: tuple[str, ...] = ()
 
 
 def _kind_of(optimizer: Any) -> _Kind | None:
@@ -332,8 +336,34 @@ _TF_KERAS = _Kind(
     _keras_internal.TF_KERAS_OPTIMIZER_INDICES,
     _keras_internal.TF_KERAS_OPTIMIZER_AT_INIT,
     _tf_keras_unbuild,
-    _keras_internal.TF_KERAS_OPTIMIZER_BUILT_OUTSIDE_VARIABLES,
+    (_keras_internal.TF_KERAS_NADAM_PRODUCT,),
+    (_keras_internal.TF_KERAS_NADAM_PRODUCT_COUNT,),
 )
+
+
+def outside_variables(optimizer: Any) -> list[Any]:
+    """The variables a Keras optimizer's updates advance that its
+    ``variables`` do not list (tf_keras Nadam's product of its momentum
+    schedule; Keras 3's lists its own); [] for another object. The same on
+    every rank (made alike by every rank's build)."""
+    inner = holding_slots(optimizer)
+    kind = _kind_of(inner)
+    found = [getattr(inner, name, None) for name in (kind.updated_outside if kind else ())]
+    listed = {id(v) for v in inner.variables} if found else set()
+    return [v for v in found if isinstance(v, tf.Variable) and id(v) not in listed]
+
+
+def count_updates(optimizer: Any) -> None:
+    """After a Keras optimizer's variables (and ``outside_variables``) were
+    set back: sets its Python counts of its updates (tf_keras Nadam's, which
+    its eager update reads to tell whether the step's product is made
+    already; a tf.function reads it as it traces) to its step count + 1, the
+    count at the start of a step, the same on every rank. Nothing for another object."""
+    inner = holding_slots(optimizer)
+    kind = _kind_of(inner)
+    for name in kind.update_counts if kind else ():
+        if hasattr(inner, name):
+            setattr(inner, name, int(inner.iterations.numpy()) + 1)
 
 
 def add_variable_from_reference_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -475,7 +505,10 @@ def _kept_at_rebuild(optimizer: Any) -> list[Any]:
 
 
 def rebuild_slots(
-    optimizer: Any, strategy: MPIStrategy, built_with: Sequence[Any] | None = None
+    optimizer: Any,
+    strategy: MPIStrategy,
+    built_with: Sequence[Any] | None = None,
+    positions: Sequence[int] = (),
 ) -> None:
     """Makes a sharded optimizer's slots (Keras 3's or tf_keras's) anew for
     the ranks that ``strategy`` spans now (elastic training, after lost
@@ -484,16 +517,20 @@ def rebuild_slots(
     with ``built_with`` (default: the variables of its partition; a
     replacement's, built in its world of one rank, has none: the survivors
     name them); each rank then holds its share of the new partition (at their
-    initial values: the caller sets them)."""
+    initial values: the caller sets them). ``positions``: where ``built_with``
+    are in a list every rank holds alike (elastic training: the commit's),
+    compared too: two variables of one shape swapped on a rank would be cut
+    alike, each slot then set from the other's values."""
     plan, kind = plan_of(optimizer), _kind_of(optimizer)
     if built_with is None and plan is not None:
         built_with = plan.variables
     if kind is None or built_with is None:
         raise MPIStrategyError(f"mpi_strategy: {optimizer!r} is not a sharded optimizer.")
     built_with = list(built_with)
-    _check_same_built_with(optimizer, strategy.extended.ordered_comm, built_with)
+    _check_same_built_with(optimizer, strategy.extended.ordered_comm, built_with, positions)
     kept = _kept_at_rebuild(optimizer)
-    outside = {n: getattr(optimizer, n) for n in kind.kept_by_rebuild if hasattr(optimizer, n)}
+    names = (*kind.updated_outside, *kind.update_counts)
+    outside = {n: getattr(optimizer, n) for n in names if hasattr(optimizer, n)}
     kind.unbuild(optimizer, kept)
     optimizer.__dict__.pop(_PLAN, None)
     with strategy.scope():
@@ -502,13 +539,19 @@ def rebuild_slots(
         setattr(optimizer, name, value)
 
 
-def _check_same_built_with(optimizer: Any, ordered: OrderedComm, built_with: list[Any]) -> None:
+def _check_same_built_with(
+    optimizer: Any, ordered: OrderedComm, built_with: list[Any], positions: Sequence[int]
+) -> None:
     """Raises on every rank (one all-gather) if the ranks would build
-    ``optimizer`` again over variables of other shapes or in another order:
-    another partition. Checked before the build, which leaves the optimizer
+    ``optimizer`` again over variables of other shapes or in another order
+    (another partition), or at other ``positions`` (each slot set from
+    another variable's). Checked before the build, which leaves the optimizer
     as it was; ``check_same_partition`` would raise only at the next
     collective, naming that one."""
-    mine = json.dumps([[list(v.shape), tf.as_dtype(v.dtype).name] for v in built_with]).encode()
+    at = positions or itertools.repeat(None)
+    mine = json.dumps(
+        [[list(v.shape), tf.as_dtype(v.dtype).name, p] for v, p in zip(built_with, at)]
+    ).encode()
     sizes, gathered = ordered.allgather_many(
         [tf.constant([len(mine)], tf.int64), tf.constant(np.frombuffer(mine, np.uint8))]
     )
@@ -518,9 +561,10 @@ def _check_same_built_with(optimizer: Any, ordered: OrderedComm, built_with: lis
     if any(differ):
         raise MPIStrategyError(
             f"mpi_strategy: the ranks would make {type(optimizer).__name__}'s sharded slots "
-            "again over different variables, which would cut them differently: "
+            "again over different variables (cut differently, or each slot set from "
+            "another variable's values): "
             f"{'; '.join(filter(None, differ))}. Every rank builds it over the same "
-            "variables (shape, dtype), in the same order."
+            "variables (shape, dtype, position where given), in the same order."
         )
 
 
@@ -531,13 +575,17 @@ def _first_difference(rank: int, built: list[Any], first: list[Any]) -> str:
     at = next(
         (i for i, (a, b) in enumerate(zip(built, first)) if a != b), min(map(len, (built, first)))
     )
-    here, there = (
-        f"{tuple(x[at][0])} {x[at][1]}" if at < len(x) else "none" for x in (built, first)
-    )
+    here, there = (_described(x[at]) if at < len(x) else "none" for x in (built, first))
     return (
         f"rank {rank}'s {len(built)} variables differ from rank 0's {len(first)} first at "
         f"#{at}: {here} there, {there} on rank 0"
     )
+
+
+def _described(variable: list[Any]) -> str:
+    """'(3, 2) float32', and ' (position 4)' where its position is given."""
+    shape, dtype, position = variable
+    return f"{tuple(shape)} {dtype}" + ("" if position is None else f" (position {position})")
 
 
 def _keras() -> Any:

@@ -154,7 +154,6 @@ def _restore(
     sharded.restore(
         strategy, trackables, lambda: state_lib.variables_of(trackables), committed, copies
     )
-    state_lib.count_updates_from_iterations(trackables)
 
 
 def grown(

@@ -223,9 +223,10 @@ def restore(
     slots again for them, each over the variables it was built with
     (``copies.built_with``, among the ``commit``'s variables), after which
     ``variables_now()`` lists the state's variables, as the commit did; they
-    are set to the commit's arrays, and each sharded slot is put together
-    from the survivors that hold its pieces (their own or their lost buddy's)
-    and cut for the ranks now. Raises ``ShardLostError`` on every survivor if
+    are set to the commit's arrays (the optimizers' counts of their updates
+    from their step counts: ``count_updates``), and each sharded slot is put
+    together from the survivors that hold its pieces (their own or their lost
+    buddy's) and cut for the ranks now. Raises ``ShardLostError`` on every survivor if
     a piece is on no survivor."""
     ordered = strategy.extended.ordered_comm
     was = ordered.allgather(tf.constant([copies.rank], tf.int64)).numpy().tolist()
@@ -234,7 +235,7 @@ def restore(
     listed = optimizers(trackables)
     for k, positions in copies.built_with:
         built_with = [committed[p] for p in positions]
-        sharded_optimizers.rebuild_slots(listed[k], strategy, built_with)
+        sharded_optimizers.rebuild_slots(listed[k], strategy, built_with, positions)
     variables = variables_now()
     if len(variables) != len(arrays):
         raise MPIStrategyError(
@@ -248,6 +249,8 @@ def restore(
             sharded_optimizers.set_held(variable, whole)
         else:
             variable.assign(array)
+    for optimizer in listed:
+        sharded_optimizers.count_updates(optimizer)
 
 
 def lost_shares(size: int, survivors: Sequence[int]) -> list[int]:

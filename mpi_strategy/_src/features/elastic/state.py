@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from mpi_strategy._src import _keras_internal
 from mpi_strategy._src.core.errors import MPIStrategyError
 from mpi_strategy._src.core.process import PROCESS
 from mpi_strategy._src.features import sharding as sharded_optimizers
@@ -76,7 +75,8 @@ class State:
         for variable, value in zip(variables, arrays):
             if value is not None:  # (a sharded slot another rank holds)
                 variable.assign(value)
-        count_updates_from_iterations(self._trackables)
+        for t in self._trackables:
+            sharded_optimizers.count_updates(t)
         roll_back_values(self, number)
 
 
@@ -170,31 +170,8 @@ def variables_of(trackables: tuple[Any, ...]) -> list[tf.Variable]:
             if found is None:
                 raise TypeError(f"mpi_strategy.elastic.State: {t!r} has no variables.")
             variables.extend(found)
-            variables.extend(_updated_outside(t, found))
+            variables.extend(sharded_optimizers.outside_variables(t))
     return variables
-
-
-def _updated_outside(trackable: Any, listed: list[Any]) -> list[tf.Variable]:
-    """The variable an optimizer's build makes and its updates advance that its
-    ``variables`` do not list (tf_keras Nadam's product of its momentum
-    schedule; Keras 3's lists its own): committed and set back with them."""
-    inner = sharded_optimizers.holding_slots(trackable)
-    found = getattr(inner, _keras_internal.TF_KERAS_NADAM_PRODUCT, None)
-    if isinstance(found, tf.Variable) and all(v is not found for v in listed):
-        return [found]
-    return []
-
-
-def count_updates_from_iterations(trackables: tuple[Any, ...]) -> None:
-    """After the variables were set back: sets tf_keras Nadam's Python count of
-    its product's updates to its step count + 1, the count at the start of a
-    step (which its eager update reads to tell whether the step's product is
-    made already; a tf.function reads it as it traces), the same on every rank."""
-    for t in trackables:
-        inner = sharded_optimizers.holding_slots(t)
-        if hasattr(inner, _keras_internal.TF_KERAS_NADAM_PRODUCT_COUNT):
-            count = int(inner.iterations.numpy()) + 1
-            setattr(inner, _keras_internal.TF_KERAS_NADAM_PRODUCT_COUNT, count)
 
 
 def _read(variables: list[tf.Variable]) -> list[tf.Tensor | None]:

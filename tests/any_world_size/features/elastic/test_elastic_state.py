@@ -3,6 +3,8 @@ training's State, at any world size: commits and restores, and what elastic.run
 lets through. The tests that kill ranks:
 tests/launchers/features/elastic/test_elastic.py."""
 
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
@@ -10,11 +12,11 @@ import tensorflow as tf
 import tf_keras
 
 import mpi_strategy
-from mpi_strategy._src.features.elastic import recovery, state as state_lib
+from mpi_strategy._src.features.elastic import recovery, sharded, state as state_lib
 from mpi_strategy._src.features.elastic.sharded import lost_shares
 from mpi_strategy._src.features.sharding import _whole
 from mpi_strategy.errors import RanksLostError
-from mpi_testing import SIZE, local_devices, mpi_strategy_under_test
+from mpi_testing import RANK, SIZE, local_devices, mpi_strategy_under_test
 
 
 def _model_and_optimizer(strategy):
@@ -117,6 +119,42 @@ def test_run_makes_tf_keras_slots_before_the_first_commit():
 
     # the weights, the step count, a momentum per weight
     assert train() == 2 + 1 + 2
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank holds everything")
+def test_a_restore_over_same_shape_variables_swapped_on_a_rank_raises_on_every_rank():
+    # Two kernels of one shape swapped in one rank's commit would be cut alike,
+    # each slot then set from the other's values: the ranks compare the
+    # positions they make the slots again over (sharded.restore) first.
+    strategy = mpi_strategy.MPIStrategy(shard="optimizer", devices=local_devices())
+    with strategy.scope():
+        layers = [tf_keras.layers.Dense(3), tf_keras.layers.Dense(3)]
+        model = tf_keras.Sequential([tf_keras.Input((3,)), *layers])
+        optimizer = tf_keras.optimizers.Adam(0.1)
+        optimizer.build(model.trainable_variables)
+    state = mpi_strategy.elastic.State(model, optimizer)
+    state.commit()
+    trackables = state_lib.trackables_of(state)
+    _, committed, _, copies = state_lib.commit_of(state, None)
+    assert copies.built_with == ((0, (0, 1, 2, 3)),)  # kernel, bias, kernel, bias
+
+    def restore(positions):
+        built_with = ((0, positions),)
+        sharded.restore(
+            strategy,
+            trackables,
+            lambda: state_lib.variables_of(trackables),
+            committed,
+            dataclasses.replace(copies, built_with=built_with),
+        )
+
+    with pytest.raises(
+        mpi_strategy.MPIStrategyError,
+        match=rf"rank {SIZE - 1}'s 4 variables differ from rank 0's 4 first at #0: "
+        r"\(3, 3\) float32 \(position 2\) there, \(3, 3\) float32 \(position 0\) on rank 0",
+    ):
+        restore((2, 1, 0, 3) if RANK == SIZE - 1 else (0, 1, 2, 3))
+    restore((0, 1, 2, 3))  # (left as it was: made again)
 
 
 def test_run_returns_and_lets_other_errors_through():
