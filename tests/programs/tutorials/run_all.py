@@ -168,9 +168,10 @@ NOT_AS_MIRRORED = {
     "tfrs_diststrat_retrieval": (
         (".fit.factorized_top_k",),
         "FactorizedTopK scores the candidates of movies.batch(128).map(movie_model), a dataset "
-        "map that reads the embedding the step updates: an epoch's top-k rates see it before or "
-        "after an update, by timing (MPIStrategy's differed from run to run in one epoch of 3, in "
-        "3 of 6 runs; MirroredStrategy's in one process agreed in 4); its losses, weights and "
+        "made outside the step whose map reads the embedding the step updates; TensorFlow orders "
+        "nothing between that run and the update, and which comes first is timing "
+        "(MirroredStrategy's update came first in every run tried; MPIStrategy's, which waits for "
+        "the all-reduce, in 3 runs of 4: docs/troubleshooting.md); its losses, weights and "
         "evaluate are compared",
     ),
 }
